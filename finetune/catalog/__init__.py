@@ -1,0 +1,1 @@
+"""Static tables the planner and the loader share: model architectures and GPUs (no torch)."""

@@ -1,0 +1,177 @@
+"""Model catalog: architecture numbers per name, copied from each model's published config.json.
+
+The planner needs these numbers without downloading anything, and the loader uses `hf_id` to find
+the weights. Numbers are the fields of the source `config.json` named in `source`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass
+
+from finetune.errors import FinetuneError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a decoder-only transformer, as its config.json states it."""
+
+    name: str
+    hf_id: str | None  # None for models we build ourselves (e.g. `tiny`)
+    model_type: str  # transformers model_type: llama, mistral, qwen2
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    head_dim: int | None = None  # None → hidden_size // num_heads
+    attention_bias: bool = False  # Qwen2 has biases on q, k, v projections
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    source: str = ""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def to_hf_config_dict(self) -> dict:
+        """The config.json fields transformers needs to build this architecture."""
+        config = {
+            "model_type": self.model_type,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "head_dim": self.resolved_head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+        }
+        if self.model_type == "llama":
+            config["attention_bias"] = self.attention_bias
+        return config
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_CATALOG: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        name="tiny", hf_id=None, model_type="llama", num_layers=4, hidden_size=128, num_heads=4,
+        num_kv_heads=2, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
+        max_position_embeddings=512,
+        source="finetune's own CPU demo model; vocab matches finetune/data/builtin/tokenizer.json",
+    ),
+    ModelSpec(
+        name="llama-7b", hf_id="meta-llama/Llama-2-7b-hf", model_type="llama", num_layers=32,
+        hidden_size=4096, num_heads=32, num_kv_heads=32, intermediate_size=11008, vocab_size=32000,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        source="meta-llama/Llama-2-7b-hf/config.json",
+    ),
+    ModelSpec(
+        name="llama-2-13b", hf_id="meta-llama/Llama-2-13b-hf", model_type="llama", num_layers=40,
+        hidden_size=5120, num_heads=40, num_kv_heads=40, intermediate_size=13824, vocab_size=32000,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        source="meta-llama/Llama-2-13b-hf/config.json",
+    ),
+    ModelSpec(
+        name="llama-2-70b", hf_id="meta-llama/Llama-2-70b-hf", model_type="llama", num_layers=80,
+        hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=28672, vocab_size=32000,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        source="meta-llama/Llama-2-70b-hf/config.json",
+    ),
+    ModelSpec(
+        name="llama-3.1-8b", hf_id="meta-llama/Llama-3.1-8B", model_type="llama", num_layers=32,
+        hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0,
+        source="meta-llama/Llama-3.1-8B/config.json",
+    ),
+    ModelSpec(
+        name="llama-3.1-70b", hf_id="meta-llama/Llama-3.1-70B", model_type="llama", num_layers=80,
+        hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=28672, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0,
+        source="meta-llama/Llama-3.1-70B/config.json",
+    ),
+    ModelSpec(
+        name="llama-3.2-1b", hf_id="meta-llama/Llama-3.2-1B", model_type="llama", num_layers=16,
+        hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256,
+        tie_word_embeddings=True, max_position_embeddings=131072, head_dim=64, rope_theta=500000.0,
+        source="meta-llama/Llama-3.2-1B/config.json",
+    ),
+    ModelSpec(
+        name="llama-3.2-3b", hf_id="meta-llama/Llama-3.2-3B", model_type="llama", num_layers=28,
+        hidden_size=3072, num_heads=24, num_kv_heads=8, intermediate_size=8192, vocab_size=128256,
+        tie_word_embeddings=True, max_position_embeddings=131072, head_dim=128, rope_theta=500000.0,
+        source="meta-llama/Llama-3.2-3B/config.json",
+    ),
+    ModelSpec(
+        name="mistral-7b", hf_id="mistralai/Mistral-7B-v0.1", model_type="mistral", num_layers=32,
+        hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000,
+        tie_word_embeddings=False, max_position_embeddings=32768,
+        source="mistralai/Mistral-7B-v0.1/config.json",
+    ),
+    ModelSpec(
+        name="qwen2.5-7b", hf_id="Qwen/Qwen2.5-7B", model_type="qwen2", num_layers=28,
+        hidden_size=3584, num_heads=28, num_kv_heads=4, intermediate_size=18944, vocab_size=152064,
+        tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6,
+        source="Qwen/Qwen2.5-7B/config.json",
+    ),
+    ModelSpec(
+        name="qwen2.5-72b", hf_id="Qwen/Qwen2.5-72B", model_type="qwen2", num_layers=80,
+        hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=29568, vocab_size=152064,
+        tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6,
+        source="Qwen/Qwen2.5-72B/config.json",
+    ),
+)
+
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _CATALOG}
+ALIASES: dict[str, str] = {
+    "llama-2-7b": "llama-7b",
+    "llama-13b": "llama-2-13b",
+    "llama-70b": "llama-2-70b",
+    "mistral-7b-v0.1": "mistral-7b",
+}
+
+
+class UnknownModelError(FinetuneError):
+    pass
+
+
+def lookup(name: str) -> ModelSpec | None:
+    """The catalog entry for `name` (case-insensitive, aliases and Hub ids accepted), else None."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in MODELS:
+        return MODELS[key]
+    for spec in _CATALOG:
+        if spec.hf_id and spec.hf_id.lower() == key:
+            return spec
+    return None
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """Catalog names that look like `name`, for 'did you mean' messages."""
+    names = sorted(set(MODELS) | set(ALIASES))
+    return difflib.get_close_matches(name.strip().lower(), names, n=n, cutoff=0.5)
+
+
+def get(name: str) -> ModelSpec:
+    """Like `lookup`, but raises UnknownModelError with close names when `name` is not catalogued."""
+    spec = lookup(name)
+    if spec is None:
+        hint = close_names(name)
+        suggestion = f" Did you mean: {', '.join(hint)}?" if hint else ""
+        raise UnknownModelError(
+            f"Unknown model '{name}'.{suggestion} Catalog: {', '.join(sorted(MODELS))}. "
+            "A Hugging Face id (org/name) or a local directory also works."
+        )
+    return spec

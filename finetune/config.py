@@ -1,0 +1,254 @@
+"""Run configuration: one typed dataclass, layered defaults < YAML file < CLI flags.
+
+The help text of every flag is the `help` metadata of its field, so `--help`, the README and the
+saved `run.yaml` never drift apart. Validation happens here, all at once, before any weights load.
+No torch import: `finetune plan` and `--help` stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+
+from finetune.errors import FinetuneError
+
+METHODS = ("full", "lora", "qlora")
+FORMATS = ("auto", "alpaca", "chat", "text")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+class ConfigError(FinetuneError):
+    """A configuration problem the user can fix; the message says how."""
+
+
+def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; `run.yaml` in the output dir is this, resolved."""
+
+    # model
+    model: str = _field("tiny", "Catalog name (e.g. llama-7b, tiny), Hugging Face id, or local directory.")
+    method: str = _field("full", "Fine-tuning method.", METHODS)
+    lora_r: int = _field(16, "LoRA rank.")
+    lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _field(0.0, "Dropout on the LoRA branch.")
+    lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
+    gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
+    trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")
+    # data
+    dataset: str = _field("builtin", "builtin, a local JSON/JSONL/CSV/Parquet file, or a Hub dataset name.")
+    format: str = _field("auto", "Dataset format; auto detects it from the columns.", FORMATS)
+    train_on_prompt: bool = _field(False, "Also compute the loss on prompt tokens (default: response only).")
+    max_seq_len: int = _field(256, "Truncate (or pack) examples to this many tokens.")
+    packing: bool = _field(False, "Pack examples into full sequences; attention never crosses examples.")
+    eval_split: str = _field("0.05", "Eval data: a split name of the dataset, or a fraction of train held out.")
+    max_eval_examples: int = _field(200, "Cap on eval examples (loss and exact-match generation).")
+    # batch
+    micro_batch_size: int = _field(16, "Examples per forward pass per process.")
+    gradient_accumulation_steps: int | None = _field(None, "Micro-batches per optimizer step (derived from --global-batch-size if unset).")
+    global_batch_size: int | None = _field(None, "Examples per optimizer step over all processes = micro × accumulation × world size.")
+    # optimization
+    optimizer: str = _field("adamw", "adamw (torch), or bitsandbytes adamw-8bit / paged-adamw-8bit.", OPTIMIZERS)
+    lr: float = _field(3e-3, "Peak learning rate (before --lr-scaling).")
+    lr_scaling: str = _field("none", "Scale --lr with global batch / --base-global-batch-size.", LR_SCALINGS)
+    base_global_batch_size: int = _field(16, "Global batch size at which --lr was tuned (for --lr-scaling).")
+    lr_schedule: str = _field("cosine", "Decay after warmup, stepped once per optimizer update.", LR_SCHEDULES)
+    warmup_steps: int = _field(20, "Linear warmup from 0 over this many optimizer updates.")
+    min_lr_ratio: float = _field(0.1, "Final LR as a fraction of the peak (cosine and linear).")
+    weight_decay: float = _field(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this (0 disables).")
+    max_steps: int | None = _field(None, "Optimizer updates to run (overrides --epochs).")
+    epochs: float = _field(1.0, "Passes over the training data when --max-steps is unset.")
+    seed: int = _field(0, "Seed for model init, data order and dropout.")
+    mixed_precision: str = _field("auto", "auto = bf16 on GPUs that support it, fp32 on CPU.", MIXED_PRECISIONS)
+    # output
+    output_dir: str = _field("output", "Where metrics, plots, checkpoints and the final model go.")
+    log_every: int = _field(10, "Write a metrics.jsonl line every N optimizer updates.")
+    eval_every: int = _field(0, "Evaluate every N updates (0: only before and after training).")
+    report_to: str = _field("none", "Experiment tracker through Accelerate.", REPORT_TO)
+    num_samples: int = _field(3, "Sample generations printed at the end.")
+    save_final: bool = _field(True, "Save the trained model (or adapter) to --output-dir at the end.")
+
+    @property
+    def lora_target_modules(self) -> str | list[str]:
+        """PEFT's `target_modules`: the string 'all-linear' or a list of module names."""
+        if self.lora_targets == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """micro × accumulation × world = global, resolved once for the run."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def resolve_batch_shape(config: TrainConfig, world_size: int) -> BatchShape:
+    """Derive gradient accumulation (or check it) so micro × accum × world = global.
+
+    Raises ConfigError when the three given numbers do not multiply out.
+    """
+    micro, accum, total = config.micro_batch_size, config.gradient_accumulation_steps, config.global_batch_size
+    if micro < 1:
+        raise ConfigError(f"--micro-batch-size must be ≥ 1, got {micro}")
+    per_step = micro * world_size
+    if total is None:
+        return BatchShape(micro, accum or 1, world_size)
+    if total % per_step:
+        raise ConfigError(
+            f"--global-batch-size {total} is not a multiple of micro batch {micro} × world size "
+            f"{world_size} = {per_step}. Use e.g. --global-batch-size {max(1, round(total / per_step)) * per_step}."
+        )
+    derived = total // per_step
+    if accum is not None and accum != derived:
+        raise ConfigError(
+            f"Batch sizes do not multiply out: micro {micro} × accumulation {accum} × world size "
+            f"{world_size} = {per_step * accum}, but --global-batch-size is {total}. "
+            f"Drop one of the flags or use --gradient-accumulation-steps {derived}."
+        )
+    return BatchShape(micro, derived, world_size)
+
+
+def scaled_lr(config: TrainConfig, global_batch_size: int) -> float:
+    """Peak LR after --lr-scaling: linear or square-root in global batch / base global batch."""
+    ratio = global_batch_size / config.base_global_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
+    return config.lr * factor
+
+
+def validate(config: TrainConfig) -> None:
+    """Check every field at once; raise one ConfigError listing all problems with their fixes."""
+    problems = []
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices and value not in choices:
+            problems.append(f"--{_flag(f.name)} {value!r} is not one of {', '.join(choices)}")
+    positive = ("lora_r", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size")
+    for name in positive:
+        if getattr(config, name) < 1:
+            problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")
+    for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
+    if config.lr <= 0:
+        problems.append(f"--lr must be > 0, got {config.lr}")
+    if config.epochs <= 0 and config.max_steps is None:
+        problems.append(f"--epochs must be > 0, got {config.epochs}")
+    if not 0 <= config.lora_dropout < 1:
+        problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    if problems:
+        raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+# ---------------------------------------------------------------- YAML and command line
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """int for `int | None`, etc. (annotations are strings under `from __future__ import annotations`)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    origin = get_origin(annotation)
+    if origin is not None:
+        return next(a for a in get_args(annotation) if a is not type(None))
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a run YAML; errors name the file, line and the unknown keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"Invalid YAML in {path}{where}: {getattr(e, 'problem', e)}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}. See `python -m finetune --help`.")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in data and data[f.name] is not None:
+            kind = _base_type(f.type)
+            value = data[f.name]
+            ok = isinstance(value, kind) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"{path}: key '{f.name}' should be {kind.__name__}, got {value!r}")
+    return data
+
+
+def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
+    """An argparse parser with one flag per TrainConfig field; defaults are left as None so that
+    only flags the user typed override the YAML file."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Fine-tune a language model with one Accelerate training loop. "
+        "Subcommands: plan, rehearse, export, slurm (see `finetune SUBCOMMAND --help`).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file of options; flags given on the command line override it.")
+    for f in dataclasses.fields(TrainConfig):
+        kind = _base_type(f.type)
+        help_text = f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else "")
+        if kind is bool:
+            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(
+                f"--{_flag(f.name)}", type=kind, default=None, choices=f.metadata["choices"], help=help_text,
+                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
+            )
+    parser.formatter_class = argparse.HelpFormatter
+    return parser
+
+
+def parse_config(argv: list[str] | None) -> TrainConfig:
+    """defaults < --config YAML < flags, then validated."""
+    args = vars(build_parser().parse_args(argv))
+    values = load_yaml(args.pop("config")) if args.get("config") else {}
+    values.update({key: value for key, value in args.items() if value is not None})
+    config = TrainConfig(**values)
+    validate(config)
+    return config
+
+
+def save_yaml(config: TrainConfig, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    """Write the resolved configuration (plus derived values under `resolved:`) as YAML."""
+    data = config.to_dict()
+    if extra:
+        data["resolved"] = extra
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

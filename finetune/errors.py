@@ -1,0 +1,6 @@
+"""The one exception type the CLI turns into a clean message instead of a traceback."""
+
+
+class FinetuneError(Exception):
+    """A problem the user can fix (bad flag, missing file, model that does not fit); the message
+    says what is wrong and how to fix it."""
