@@ -32,6 +32,12 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     source: str = ""
+    # Shape variants outside the Llama family, used by the planner's parameter and activation
+    # counts (e.g. for calibration against published runs of GPT-NeoX, phi and Falcon models).
+    mlp_gated: bool = True  # SwiGLU gate/up/down; False: two-matrix MLP (fc1, activation, fc2)
+    linear_bias: bool = False  # bias on o_proj and the MLP linears too (attention_bias covers q, k, v)
+    norm_bias: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight only)
+    norms_per_layer: int = 2  # 1 for a parallel block that shares one norm (Falcon-7B)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -164,14 +170,19 @@ def close_names(name: str, n: int = 3) -> list[str]:
     return difflib.get_close_matches(name.strip().lower(), names, n=n, cutoff=0.5)
 
 
+def unknown_model_error(name: str) -> UnknownModelError:
+    """The error for a name that is not catalogued, with close names and what else is accepted."""
+    hint = close_names(name)
+    suggestion = f" Did you mean: {', '.join(hint)}?" if hint else ""
+    return UnknownModelError(
+        f"Unknown model '{name}'.{suggestion} Catalog: {', '.join(sorted(MODELS))}. "
+        "A Hugging Face id (org/name) or a local directory also works."
+    )
+
+
 def get(name: str) -> ModelSpec:
     """Like `lookup`, but raises UnknownModelError with close names when `name` is not catalogued."""
     spec = lookup(name)
     if spec is None:
-        hint = close_names(name)
-        suggestion = f" Did you mean: {', '.join(hint)}?" if hint else ""
-        raise UnknownModelError(
-            f"Unknown model '{name}'.{suggestion} Catalog: {', '.join(sorted(MODELS))}. "
-            "A Hugging Face id (org/name) or a local directory also works."
-        )
+        raise unknown_model_error(name)
     return spec

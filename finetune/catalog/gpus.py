@@ -1,0 +1,94 @@
+"""GPU catalog: memory, bf16 dense throughput, interconnect and a typical cloud price per GPU.
+
+The planner needs these numbers offline and instantly. Sources: vendor datasheets (memory as
+nvidia-smi / rocm-smi report it, dense tensor-core TFLOP/s without sparsity, with fp32
+accumulation as PyTorch uses) and on-demand list prices of common clouds in 2025, which vary by
+about ±50 % between providers: treat `usd_per_hour` as an order of magnitude for comparing plans.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from finetune.errors import FinetuneError
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator model, as the planner sees it."""
+
+    name: str
+    memory_gib: float  # total device memory as nvidia-smi reports it (MiB / 1024)
+    bf16_tflops: float  # dense tensor-core peak for bf16 (fp16 on cards without bf16), fp32 accumulate
+    bf16: bool  # native bf16 support (Ampere and newer); without it, plans use fp16-mixed
+    interconnect: str  # "NVLink", "Infinity Fabric" or "PCIe": what links GPUs inside one node
+    link_gb_per_s: float  # GPU-to-GPU bandwidth per direction inside a node, GB/s
+    usd_per_hour: float  # typical on-demand price of one GPU, USD
+    aliases: tuple[str, ...] = ()
+
+
+_CATALOG: tuple[GPUSpec, ...] = (
+    GPUSpec("A100-40GB", 40.0, 312, True, "NVLink", 300, 1.29, ("a100-40g", "a100-sxm4-40gb", "a100 40gb")),
+    GPUSpec("A100-80GB", 80.0, 312, True, "NVLink", 300, 1.79, ("a100-80g", "a100-sxm4-80gb", "a100 80gb")),
+    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, ("h100", "h100-sxm", "h100-80g", "h100-sxm5")),
+    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, ("h200-141gb", "h200-sxm")),
+    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, ("l40s-48gb",)),
+    GPUSpec("A10G", 22.5, 70, True, "PCIe", 16, 1.01, ("a10g-24gb",)),
+    GPUSpec("L4", 22.5, 121, True, "PCIe", 32, 0.80, ("l4-24gb",)),
+    GPUSpec("RTX3090", 24.0, 71, True, "PCIe", 16, 0.22, ("rtx-3090", "3090", "geforce-rtx-3090")),
+    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, ("rtx-4090", "4090", "geforce-rtx-4090")),
+    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, ("rtx-6000-ada", "rtx6000ada", "6000-ada")),
+    GPUSpec("V100-16GB", 15.8, 125, False, "NVLink", 150, 0.60, ("v100-16g", "v100-sxm2-16gb")),
+    GPUSpec("V100-32GB", 31.7, 125, False, "NVLink", 150, 0.80, ("v100-32g", "v100-sxm2-32gb")),
+    GPUSpec("T4", 15.0, 65, False, "PCIe", 8, 0.35, ("t4-16gb", "tesla-t4")),
+    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, ("mi300x-192gb", "mi300")),
+)
+
+GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}
+
+# Bare names that cover more than one catalog entry: the user must say which memory size.
+AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB"), "v100": ("V100-16GB", "V100-32GB")}
+
+
+class UnknownGPUError(FinetuneError):
+    pass
+
+
+def squash(text: str) -> str:
+    """Lower-case alphanumerics only: 'A100 40GB', 'a100-40gb' and 'A100_40GB' all give 'a10040gb'."""
+    return re.sub(r"[^a-z0-9]", "", text.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def spellings() -> dict[str, str]:
+    """Every squashed spelling (name, aliases, and memory without the 'gb') → catalog name."""
+    table = {}
+    for spec in _CATALOG:
+        for spelling in (spec.name, *spec.aliases):
+            key = squash(spelling)
+            table[key] = spec.name
+            if key.endswith("gb"):
+                table[key[:-2]] = spec.name
+                table[key[:-1]] = spec.name  # '40g'
+    return table
+
+
+def lookup(name: str) -> GPUSpec | None:
+    """The catalog entry for a spelling such as 'A100 40GB' or 'rtx-4090', else None."""
+    found = spellings().get(squash(name))
+    return GPUS[found] if found else None
+
+
+def get(name: str) -> GPUSpec:
+    """Like `lookup`, but raises UnknownGPUError naming close catalog entries."""
+    spec = lookup(name)
+    if spec is not None:
+        return spec
+    key = squash(name)
+    if key in AMBIGUOUS:
+        raise UnknownGPUError(f"'{name}' comes in several sizes: say which, e.g. {' or '.join(AMBIGUOUS[key])}.")
+    close = difflib.get_close_matches(key, list(spellings()), n=6, cutoff=0.5)
+    names = sorted({spellings()[c] for c in close})
+    hint = f" Did you mean: {', '.join(names)}?" if names else ""
+    raise UnknownGPUError(f"Unknown GPU '{name}'.{hint} Catalog: {', '.join(GPUS)}.")

@@ -1,0 +1,116 @@
+"""`finetune plan [QUERY] [flags]`: what fits, how fast, what it costs, and how to launch it.
+
+Imports no torch, transformers or accelerate unless --simulate asks for a simulated step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from finetune.catalog import gpus as gpu_catalog
+from finetune.catalog import models as model_catalog
+from finetune.errors import FinetuneError
+from finetune.planner import report
+from finetune.planner.choose import Request, plan
+from finetune.planner.launch import DEFAULT_CONFIG_DIR, write_configs
+from finetune.planner.query import parse_gpus, parse_query, resolve_model
+from finetune.planner.workload import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
+
+# Sequence length when neither the query nor --seq-len gives one (capped by the model's context).
+DEFAULT_SEQ_LEN = 2048
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune plan",
+        description="Plan a fine-tuning run: per-GPU memory of every method × strategy, speed, cost, "
+        "the recommended plan and the files to launch it. Flags override the free-text QUERY.",
+    )
+    parser.add_argument("query", nargs="*", help='free text, e.g. "llama-70b qlora on 2xRTX4090" or "what fits on 2×A100 40GB"')
+    parser.add_argument("--model", help="catalog name, Hub id (config.json in the local cache), local dir or config.json path")
+    parser.add_argument("--gpus", help="e.g. 2xA100-40GB, 8xH100, 1xRTX4090 (GPUs per node with --nodes)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default 1)")
+    parser.add_argument("--method", choices=("auto", *METHODS), help="default auto: all")
+    parser.add_argument("--strategy", choices=("auto", *STRATEGIES), help="default auto: all that apply")
+    parser.add_argument("--offload", choices=("auto", *OFFLOADS), help="params implies optimizer (default auto)")
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS),
+                        help="auto: bf16-mixed for full, bf16-true for LoRA/QLoRA (fp16-mixed without bf16)")
+    parser.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), help="auto: adamw")
+    parser.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
+    parser.add_argument("--lora-targets", help="all-linear (default) or a comma list such as q_proj,v_proj")
+    parser.add_argument("--micro-batch-size", type=int, help="default: the largest that fits")
+    parser.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches per update (default 1)")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: only when needed to fit")
+    parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
+    parser.add_argument("--json", action="store_true", help="print the plans as JSON")
+    parser.add_argument("--png", metavar="FILE", help="draw per-GPU memory per plan as a stacked bar chart")
+    parser.add_argument("--write-config", metavar="DIR", help="write the recommended plan's accelerate YAML (and DeepSpeed JSON)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="also run one step of the (single) plan on fake tensors and compare memory (needs torch)")
+    return parser
+
+
+def build_request(args: argparse.Namespace) -> Request | list[Request]:
+    """Query fields, overridden by flags. Without a model, one request per catalog model."""
+    fields_from_query = parse_query(" ".join(args.query)) if args.query else {}
+    if args.gpus:
+        fields_from_query["gpu"], fields_from_query["gpus_per_node"] = parse_gpus(args.gpus)
+    if args.model:
+        fields_from_query["model"] = args.model
+    names = {f.name for f in fields(Request)}
+    for name in names - {"model", "gpu", "gpus_per_node"}:
+        value = getattr(args, name, None)
+        if value is not None:
+            fields_from_query[name] = value
+    if "gpu" not in fields_from_query:
+        raise FinetuneError("Say which GPUs: --gpus 2xA100-40GB, or a query such as \"llama-7b on 8xH100\".")
+    fields_from_query["gpu"] = gpu_catalog.get(fields_from_query["gpu"])
+
+    def request_for(name: str) -> Request:
+        spec = resolve_model(name)
+        seq_len = fields_from_query.get("seq_len") or min(DEFAULT_SEQ_LEN, spec.max_position_embeddings)
+        return Request(model=spec, **{**fields_from_query, "seq_len": seq_len})
+
+    if "model" in fields_from_query:
+        return request_for(fields_from_query.pop("model"))
+    return [request_for(name) for name in model_catalog.MODELS if name != "tiny"]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    request = build_request(args)
+    config_dir = args.write_config or DEFAULT_CONFIG_DIR
+    if isinstance(request, list):
+        return _what_fits(request, args)
+    plans, recommended = plan(request)
+    if args.json:
+        print(json.dumps(report.to_json(request, plans, recommended, config_dir), indent=2))
+    else:
+        print(report.table(request, plans, recommended, config_dir))
+    if args.png:
+        print(f"wrote {report.draw_png(request, plans, recommended, args.png)}")
+    if args.write_config:
+        if recommended is None:
+            raise FinetuneError("No plan fits, so there is no config to write.")
+        for path in write_configs(plans[recommended], args.write_config):
+            print(f"wrote {path}")
+    if args.simulate:
+        from finetune.planner import simulate  # imports torch
+
+        chosen = plans[recommended] if recommended is not None else plans[0]
+        print(simulate.compare_text(chosen.workload))
+    return 0
+
+
+def _what_fits(requests: list[Request], args: argparse.Namespace) -> int:
+    """No model named: the best plan of every catalog model on these GPUs."""
+    results = [(request, *plan(request)) for request in requests]
+    if args.json:
+        print(json.dumps([report.to_json(r, p, i, args.write_config or DEFAULT_CONFIG_DIR) for r, p, i in results], indent=2))
+        return 0
+    print(report.what_fits_table(results))
+    return 0
