@@ -16,6 +16,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
+from finetune.catalog import models as catalog
 from finetune.errors import FinetuneError
 
 METHODS = ("full", "lora", "qlora")
@@ -48,6 +49,8 @@ class TrainConfig:
     lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")
+    deepspeed: str | None = _field(None, "DeepSpeed JSON (e.g. ds_configs/zero3.json); its \"auto\" values are filled from this config.")
+    preflight_timeout: float = _field(300.0, "Seconds each distributed preflight check (rendezvous, all-reduce) may take before the run stops with a diagnosis.")
     # data
     dataset: str = _field("builtin", "builtin, a local JSON/JSONL/CSV/Parquet file, or a Hub dataset name.")
     format: str = _field("auto", "Dataset format; auto detects it from the columns.", FORMATS)
@@ -81,6 +84,9 @@ class TrainConfig:
     report_to: str = _field("none", "Experiment tracker through Accelerate.", REPORT_TO)
     num_samples: int = _field(3, "Sample generations printed at the end.")
     save_final: bool = _field(True, "Save the trained model (or adapter) to --output-dir at the end.")
+    save_every: int = _field(0, "Save a resumable checkpoint every N optimizer updates and at the end (0: only on SIGTERM/SIGUSR1).")
+    keep_last: int = _field(0, "Keep only the newest K complete checkpoints (0: keep all).")
+    resume: str | None = _field(None, "auto (newest complete checkpoint in --output-dir, else start fresh) or a checkpoint/output dir path.")
 
     @property
     def lora_target_modules(self) -> str | list[str]:
@@ -151,6 +157,9 @@ def validate(config: TrainConfig) -> None:
     for name in positive:
         if getattr(config, name) < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")
+    for name in ("save_every", "keep_last"):
+        if getattr(config, name) < 0:
+            problems.append(f"--{_flag(name)} must be ≥ 0, got {getattr(config, name)}")
     for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps"):
         value = getattr(config, name)
         if value is not None and value < 1:
@@ -161,6 +170,10 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"--epochs must be > 0, got {config.epochs}")
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    if config.model.startswith((".", "/", "~")) and not Path(config.model).expanduser().is_dir():
+        problems.append(f"--model {config.model}: no such directory")
+    elif not (Path(config.model).is_dir() or catalog.lookup(config.model) or "/" in config.model):
+        problems.append(str(catalog.unknown_model_error(config.model)))
     if problems:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -198,6 +211,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
     data = {key.replace("-", "_"): value for key, value in data.items()}
+    data.pop("resolved", None)  # derived values that `save_yaml` records for reading, not options
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
