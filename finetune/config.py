@@ -65,7 +65,7 @@ class TrainConfig:
     global_batch_size: int | None = _field(None, "Examples per optimizer step over all processes = micro × accumulation × world size.")
     # optimization
     optimizer: str = _field("adamw", "adamw (torch), or bitsandbytes adamw-8bit / paged-adamw-8bit.", OPTIMIZERS)
-    lr: float = _field(3e-3, "Peak learning rate (before --lr-scaling).")
+    lr: float | None = _field(None, "Peak learning rate before --lr-scaling (unset: 2e-5 full, 2e-4 LoRA/QLoRA, or the catalog model's own, 1e-3 for tiny).")
     lr_scaling: str = _field("none", "Scale --lr with global batch / --base-global-batch-size.", LR_SCALINGS)
     base_global_batch_size: int = _field(16, "Global batch size at which --lr was tuned (for --lr-scaling).")
     lr_schedule: str = _field("cosine", "Decay after warmup, stepped once per optimizer update.", LR_SCHEDULES)
@@ -74,7 +74,7 @@ class TrainConfig:
     weight_decay: float = _field(0.0, "AdamW weight decay.")
     max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this (0 disables).")
     max_steps: int | None = _field(None, "Optimizer updates to run (overrides --epochs).")
-    epochs: float = _field(1.0, "Passes over the training data when --max-steps is unset.")
+    epochs: float | None = _field(None, "Passes over the training data when --max-steps is unset (unset: 1, or the catalog model's own, 4 for tiny).")
     seed: int = _field(0, "Seed for model init, data order and dropout.")
     mixed_precision: str = _field("auto", "auto = bf16 on GPUs that support it, fp32 on CPU.", MIXED_PRECISIONS)
     # output
@@ -138,11 +138,32 @@ def resolve_batch_shape(config: TrainConfig, world_size: int) -> BatchShape:
     return BatchShape(micro, derived, world_size)
 
 
+# Usual peak LRs at global batch ~16 for 7B-class models: full fine-tuning moves every weight, so it
+# needs a 10× smaller step than LoRA's freshly initialised adapters.
+DEFAULT_LR = {"full": 2e-5, "lora": 2e-4, "qlora": 2e-4}
+
+
+def base_lr(config: TrainConfig) -> float:
+    """--lr, else the catalog model's own default, else the method's."""
+    if config.lr is not None:
+        return config.lr
+    spec = catalog.lookup(config.model)
+    return spec.default_lr if spec is not None and spec.default_lr else DEFAULT_LR[config.method]
+
+
+def planned_epochs(config: TrainConfig) -> float:
+    """--epochs, else the catalog model's own default, else one pass."""
+    if config.epochs is not None:
+        return config.epochs
+    spec = catalog.lookup(config.model)
+    return spec.default_epochs if spec is not None and spec.default_epochs else 1.0
+
+
 def scaled_lr(config: TrainConfig, global_batch_size: int) -> float:
     """Peak LR after --lr-scaling: linear or square-root in global batch / base global batch."""
     ratio = global_batch_size / config.base_global_batch_size
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
-    return config.lr * factor
+    return base_lr(config) * factor
 
 
 def validate(config: TrainConfig) -> None:
@@ -164,9 +185,9 @@ def validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
-    if config.lr <= 0:
+    if config.lr is not None and config.lr <= 0:
         problems.append(f"--lr must be > 0, got {config.lr}")
-    if config.epochs <= 0 and config.max_steps is None:
+    if config.epochs is not None and config.epochs <= 0 and config.max_steps is None:
         problems.append(f"--epochs must be > 0, got {config.epochs}")
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")

@@ -46,6 +46,13 @@ def count_target_tokens(batch: dict) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
+def count_input_tokens(batch: dict) -> torch.Tensor:
+    """Tokens the model reads (for throughput): all but padding; packed rows carry no mask and count whole."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
 def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
     """Consecutive groups of `size` micro-batches; a trailing partial group is dropped so every
     optimizer step sees the same number of micro-batches (and resume lands on a window boundary)."""
@@ -72,9 +79,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, *, progress: P
             batches = checkpointer.with_rng_restored(batches)
         for window in accumulation_windows(batches, accumulation):
             started = time.perf_counter()
-            counts = torch.stack([sum(count_target_tokens(b) for b in window),
-                                  sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
-                                      for b in window)])
+            counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
             global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             for batch in window:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from finetune.config import (ConfigError, TrainConfig, build_parser, parse_config, resolve_batch_shape, save_yaml,
-                             scaled_lr)
+from finetune.config import (ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
+                             save_yaml, scaled_lr)
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
@@ -89,3 +89,12 @@ def test_cli_turns_config_errors_into_one_line_not_a_traceback(tmp_path):
     assert result.returncode == 2
     assert "Unknown model 'lama-7b'" in result.stderr and "llama-7b" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_default_lr_depends_on_method_and_catalog_model():
+    assert scaled_lr(TrainConfig(model="llama-7b", method="full"), 16) == 2e-5
+    assert scaled_lr(TrainConfig(model="llama-7b", method="qlora"), 16) == 2e-4
+    assert scaled_lr(TrainConfig(model="tiny"), 16) == 1e-3
+    assert scaled_lr(TrainConfig(model="tiny", lr=3e-3), 16) == 3e-3
+    assert planned_epochs(TrainConfig(model="tiny")) == 4 and planned_epochs(TrainConfig(model="llama-7b")) == 1
+    assert planned_epochs(TrainConfig(model="tiny", epochs=0.5)) == 0.5

@@ -32,6 +32,8 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     source: str = ""
+    default_lr: float | None = None  # peak LR when --lr is unset; None → the method's default (config.DEFAULT_LR)
+    default_epochs: float | None = None  # passes over the data when neither --epochs nor --max-steps is set
     # Shape variants outside the Llama family, used by the planner's parameter and activation
     # counts (e.g. for calibration against published runs of GPT-NeoX, phi and Falcon models).
     mlp_gated: bool = True  # SwiGLU gate/up/down; False: two-matrix MLP (fc1, activation, fc2)
@@ -72,7 +74,7 @@ _CATALOG: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="tiny", hf_id=None, model_type="llama", num_layers=4, hidden_size=128, num_heads=4,
         num_kv_heads=2, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
-        max_position_embeddings=512,
+        max_position_embeddings=512, default_lr=1e-3, default_epochs=4,
         source="finetune's own CPU demo model; vocab matches finetune/data/builtin/tokenizer.json",
     ),
     ModelSpec(

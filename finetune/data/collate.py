@@ -1,33 +1,37 @@
-"""Batches of variable-length rows: right padding, padded labels ignored by the loss."""
+"""Batches of variable-length rows: right padding, with padded labels ignored by the loss."""
 
 from __future__ import annotations
 
 import torch
 
 from finetune.data.formats import IGNORE_INDEX
+from finetune.errors import FinetuneError
 
 
 class Collator:
-    """list of {input_ids, labels[, position_ids]} → padded tensors.
+    """list of {input_ids, labels[, position_ids]} → dict of padded tensors for `model(**batch)`.
 
-    Unpacked rows get an `attention_mask`. Packed rows get `position_ids` instead (see packing.py);
-    their padding continues the positions, forming one more masked-out "example".
+    Unpacked rows get an `attention_mask` (1 on tokens, 0 on padding). Packed rows get
+    `position_ids` and no `attention_mask`, since a mask would switch off transformers' detection of
+    the example boundaries (see packing.py); their padding gets positions 0, 1, … of its own, so it
+    is one more example that nothing attends to and that has no loss.
     """
 
     def __init__(self, tokenizer):
-        self.pad_token_id = tokenizer.pad_token_id
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_token_id is None:
+            raise FinetuneError("The tokenizer has neither a pad nor an EOS token to pad batches with.")
+        self.pad_token_id = pad_token_id  # any id works: padding is never attended to nor learnt
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
-
-        def padded(key: str, fill: int) -> torch.Tensor:
-            return torch.tensor([row[key] + [fill] * (width - len(row[key])) for row in rows])
-
-        batch = {"input_ids": padded("input_ids", self.pad_token_id), "labels": padded("labels", IGNORE_INDEX)}
+        padding = [width - len(row["input_ids"]) for row in rows]
+        batch = {
+            "input_ids": [row["input_ids"] + [self.pad_token_id] * pad for row, pad in zip(rows, padding)],
+            "labels": [row["labels"] + [IGNORE_INDEX] * pad for row, pad in zip(rows, padding)],
+        }
         if "position_ids" in rows[0]:
-            batch["position_ids"] = torch.tensor([row["position_ids"] + list(range(width - len(row["position_ids"])))
-                                                  for row in rows])
+            batch["position_ids"] = [row["position_ids"] + list(range(pad)) for row, pad in zip(rows, padding)]
         else:
-            batch["attention_mask"] = torch.tensor([[1] * len(row["input_ids"]) + [0] * (width - len(row["input_ids"]))
-                                                    for row in rows])
-        return batch
+            batch["attention_mask"] = [[1] * len(row["input_ids"]) + [0] * pad for row, pad in zip(rows, padding)]
+        return {key: torch.tensor(value) for key, value in batch.items()}

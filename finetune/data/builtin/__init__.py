@@ -1,13 +1,12 @@
-"""The embedded default: a char-level tokenizer and an alpaca dataset of small string and
-arithmetic tasks, both generated here so a fresh clone trains offline and visibly learns on CPU.
+"""The embedded default: a char-level tokenizer and an alpaca dataset of small digit and string
+tasks, both generated here so a fresh clone trains offline and visibly learns on CPU.
 
-`python -m finetune.data.builtin` rewrites the files in BUILTIN_DIR; the output depends only on
-the code (fixed seed), so the shipped files can be checked byte for byte against a regeneration.
+The files live next to this module. `python -m finetune.data.builtin` rewrites them; the output
+depends only on this code (fixed seed), so a test checks the shipped bytes against a regeneration.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import string
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-BUILTIN_DIR = Path(__file__).parent / "builtin"
+BUILTIN_DIR = Path(__file__).parent
 DATASET_FILE = "dataset.jsonl"
 NUM_ROWS = 4000
 SEED = 1234
@@ -146,15 +145,3 @@ def write_builtin(directory: Path = BUILTIN_DIR) -> list[Path]:
     for name, text in files.items():
         (directory / name).write_text(text, encoding="utf-8", newline="\n")
     return [directory / name for name in files]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Regenerate the builtin tokenizer and dataset.")
-    parser.add_argument("--out", type=Path, default=BUILTIN_DIR, help="Directory to write (default: the package's).")
-    args = parser.parse_args(argv)
-    for path in write_builtin(args.out):
-        print(path)
-
-
-if __name__ == "__main__":
-    main()
