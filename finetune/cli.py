@@ -15,6 +15,9 @@ from finetune.errors import FinetuneError
 SUBCOMMANDS = {
     "train": "finetune.run:main",
     "plan": "finetune.planner.command:main",
+    "export": "finetune.export:main",
+    "rehearse": "finetune.rehearse:main",
+    "slurm": "finetune.slurm:main",
 }
 
 

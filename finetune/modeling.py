@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -46,10 +48,14 @@ def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int)
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**spec.to_hf_config_dict())
     model = AutoModelForCausalLM.from_config(hf_config)
-    tmp = directory.with_name(directory.name + ".tmp")
+    # a folder per process: on a shared filesystem several nodes' main processes may race here
+    tmp = directory.with_name(f"{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(BUILTIN_DIR).save_pretrained(tmp)
-    os.replace(tmp, directory)
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another node finished first; its weights are identical (same seed)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
@@ -68,7 +74,7 @@ def load_model(config: TrainConfig, source: str, compute_dtype: torch.dtype) -> 
     """
     kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa", "trust_remote_code": config.trust_remote_code}
     if config.method == "qlora":
-        kwargs["quantization_config"] = _nf4_config(compute_dtype)
+        kwargs["quantization_config"] = nf4_config(compute_dtype)
     model = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
     # no KV cache in training forwards: it costs memory, and a cache object disables transformers'
     # detection of packed sequences from position_ids (generation turns it back on per call)
@@ -94,7 +100,7 @@ def check_packing_support(model: torch.nn.Module) -> None:
         )
 
 
-def _nf4_config(compute_dtype: torch.dtype):
+def nf4_config(compute_dtype: torch.dtype):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:
@@ -143,11 +149,14 @@ def _from_pretrained(cls, source: str, **kwargs):
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed weights count as their logical size."""
+    """(trainable, total) parameter counts; 4-bit packed and ZeRO-3 partitioned weights count as their logical size."""
     trainable = total = 0
     for param in model.parameters():
         quant_state = getattr(param, "quant_state", None)
-        n = math.prod(quant_state.shape) if quant_state is not None else param.numel()
+        if quant_state is not None:
+            n = math.prod(quant_state.shape)
+        else:  # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel
+            n = getattr(param, "ds_numel", param.numel())
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total

@@ -15,7 +15,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from finetune import loop, modeling
-from finetune.config import TrainConfig, parse_config, save_yaml, scaled_lr
+from finetune.checkpointing import Checkpointer
+from finetune.config import TrainConfig, parse_config, planned_epochs, save_yaml, scaled_lr
 from finetune.data import Collator, prepare_data
 from finetune.metrics import MetricsRecorder, plot_loss_curve
 from finetune.optim import build_optimizer, build_scheduler
@@ -29,17 +30,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(config: TrainConfig) -> dict:
     """Train as `config` says; returns the summary also written to `<output_dir>/summary.json`."""
+    source, spec = modeling.resolve_source(config)
+    if spec is not None and spec.hf_id is None:
+        # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
+        # collective, which a rank waiting at a barrier never joins. Every rank writes the same
+        # seeded weights and the first atomic rename wins.
+        modeling.materialize_random_init(spec, Path(source), seed=config.seed)
     accelerator, batch = build_accelerator(config)
     output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
     say = accelerator.print
 
-    # model and data (the main process of each node writes caches first, the others reuse them)
-    source, spec = modeling.resolve_source(config)
+    # tokenizer and data (the main process of each node writes caches first, the others reuse them)
     with accelerator.local_main_process_first():
-        if spec is not None and spec.hf_id is None:
-            modeling.materialize_random_init(spec, Path(source), seed=config.seed)
         tokenizer = modeling.load_tokenizer(source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
@@ -52,7 +56,7 @@ def train(config: TrainConfig) -> dict:
     train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
     eval_loader = DataLoader(data.eval, batch_size=batch.micro_batch_size, collate_fn=collator)
     windows_per_epoch = math.ceil(len(data.train) / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
-    max_steps = config.max_steps or max(1, int(config.epochs * windows_per_epoch))
+    max_steps = config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
     lr = scaled_lr(config, batch.global_batch_size)
     optimizer = build_optimizer(config, model, lr)
     scheduler = build_scheduler(config, optimizer, max_steps)
@@ -67,6 +71,10 @@ def train(config: TrainConfig) -> dict:
                 "mixed_precision": accelerator.mixed_precision, "format": data.format,
                 "train_examples": len(data.train), "eval_examples": len(data.eval),
                 "trainable_parameters": trainable, "total_parameters": total}
+    # [checkpointing, issue 5] resume before anything reads `progress`
+    checkpointer = Checkpointer(accelerator, config, manifest_extra=resolved, tokenizer=tokenizer)
+    if checkpointer.resume() is not None:
+        say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
     if accelerator.is_main_process:
         save_yaml(config, output_dir / "run.yaml", extra=resolved)
     say(f"model {config.model} ({config.method}): {trainable:,} trainable of {total:,} parameters")
@@ -84,7 +92,15 @@ def train(config: TrainConfig) -> dict:
     metrics = MetricsRecorder(accelerator, output_dir, max_steps, config.log_every, start_step=progress.step)
     metrics.record_eval(progress.step, before)
     loop.train(accelerator, model, optimizer, scheduler, train_loader, progress=progress, max_steps=max_steps,
-               max_grad_norm=config.max_grad_norm, metrics=metrics, evaluate=evaluate, eval_every=config.eval_every)
+               max_grad_norm=config.max_grad_norm, metrics=metrics, checkpointer=checkpointer, evaluate=evaluate,
+               eval_every=config.eval_every)
+    checkpointer.close()
+    if checkpointer.preempted:  # [checkpointing, issue 5] saved in the loop; stop here, exit 0
+        metrics.close()
+        say(checkpointer.preemption_message())
+        return {"steps": progress.step, "tokens_seen": progress.tokens_seen, "preempted": True}
+    if config.save_every and checkpointer.last_saved_step != progress.step:  # [checkpointing, issue 5]
+        checkpointer.save(progress)
     after = evaluate()
     metrics.record_eval(progress.step, after)
     metrics.close()

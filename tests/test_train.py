@@ -41,9 +41,9 @@ def eval_loss_of_saved(output_dir, method: str) -> float:
 
         kwargs = {}
         if method == "qlora":
-            from finetune.modeling import _nf4_config
+            from finetune.modeling import nf4_config
 
-            kwargs["quantization_config"] = _nf4_config(torch.float32)
+            kwargs["quantization_config"] = nf4_config(torch.float32)
         model = AutoPeftModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32, **kwargs)
     data = prepare_data(config, tokenizer)
     loader = DataLoader(data.eval, batch_size=8, collate_fn=Collator(tokenizer))

@@ -1,0 +1,318 @@
+"""`finetune rehearse`: run a training configuration on CPU processes before renting GPUs.
+
+    finetune rehearse --config_file accelerate_configs/fsdp_qlora.yaml --model llama-70b --method qlora
+
+The model is shrunk to 2 layers and a small width but keeps its architecture class (so the same
+FSDP wrap policy, `_no_split_modules` and LoRA target names), and everything else runs as given:
+the accelerate config, the DeepSpeed JSON with its "auto" resolution, the method and quantization,
+the dataset and its formatting. A few optimizer steps run on 2 CPU processes (gloo), then a
+checkpoint and the final model are saved and checked. The report says pass or fail, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from finetune import deepspeed_json
+from finetune.config import TrainConfig, base_lr, parse_config, save_yaml
+from finetune.errors import FinetuneError
+from finetune.strategies import free_port
+
+# the rehearsal model: small enough for a laptop CPU, big enough for 4 heads and GQA
+SHRUNK = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "head_dim": 16, "max_position_embeddings": 512}
+REHEARSAL_VOCAB = 128  # the builtin char-level tokenizer's 100 tokens, rounded up like the `tiny` model
+MAX_REHEARSAL_SEQ_LEN = 64
+REHEARSAL_GLOBAL_BATCH = 8
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+# known failure signatures → what they mean (first match wins)
+EXPLANATIONS = (
+    (r"DeepSpeed config does not match the run", "The DeepSpeed JSON disagrees with the run's flags (listed above). "
+     'Write "auto" for values finetune owns (batch sizes, accumulation, clipping, precision).'),
+    (r"is stuck at '", "A distributed preflight stage timed out (the processes could not talk to each other)."),
+    (r"preflight failed", "The distributed preflight found a problem before weights loaded (listed above)."),
+    (r"async_io|libaio|nvme", "NVMe offload needs DeepSpeed's async_io op (libaio) and cannot be rehearsed on this "
+     "machine; rehearse with device: cpu offload instead."),
+    (r"No module named '?deepspeed", "DeepSpeed is not installed: pip install 'finetune[deepspeed]'."),
+    (r"out of memory|Killed|MemoryError", "The processes ran out of CPU memory."),
+    (r"No such file or directory.*\.json|DeepSpeed config not found", "The DeepSpeed JSON path is resolved from the "
+     "directory you launch in; pass it relative to here or absolute."),
+)
+
+
+@dataclass
+class Rehearsal:
+    """The outcome of one rehearsal, with what it saw."""
+
+    passed: bool
+    strategy: str = "?"
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    output_dir: str = ""
+    log: str = ""
+
+
+def shrunk_model_config(config: TrainConfig):
+    """The model's own Hugging Face config with the size fields replaced by SHRUNK, and the builtin
+    tokenizer it is paired with.
+
+    Raises FinetuneError when the config cannot be read (an uncached Hub id offline) or is not a
+    decoder config with the usual size fields.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune import modeling
+    from finetune.data import BUILTIN_DIR
+
+    source, spec = modeling.resolve_source(config)
+    try:
+        original = (spec.to_hf_config_dict() if spec is not None else
+                    AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code).to_dict())
+    except OSError as e:
+        raise FinetuneError(f"rehearse: cannot read the config of '{source}' ({str(e).splitlines()[0]}); "
+                            "pass a catalog name or a local model directory") from e
+    missing = [name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if name not in original]
+    if missing:
+        raise FinetuneError(f"rehearse: the config of '{source}' has no {', '.join(missing)}; "
+                            "only decoder configs with the usual size fields can be shrunk")
+    layers, heads = original["num_hidden_layers"], original["num_attention_heads"]
+    kv_heads = original.get("num_key_value_heads") or heads
+    tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)
+    # per-layer lists (e.g. Qwen2's layer_types) keep their first layers
+    shrunk = {key: value[: SHRUNK["num_hidden_layers"]] if isinstance(value, list) and len(value) == layers else value
+              for key, value in original.items()}
+    shrunk |= SHRUNK | {
+        # keep multi-head vs grouped-query attention: the same ratio of query to key/value heads, at least 1
+        "num_key_value_heads": max(1, SHRUNK["num_attention_heads"] * kv_heads // heads),
+        "vocab_size": REHEARSAL_VOCAB,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return AutoConfig.for_model(**shrunk), tokenizer
+
+
+def write_shrunk_model(config: TrainConfig, directory: Path, seed: int = 0) -> Path:
+    """Save a seeded random-init shrunk model and the builtin tokenizer to `directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_config, tokenizer = shrunk_model_config(config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def rehearsal_deepspeed_json(config: TrainConfig, accelerate_config: str | None, workdir: Path) -> tuple[str | None, list[str]]:
+    """The DeepSpeed JSON to rehearse with, and a note when it had to be adapted.
+
+    Batch sizes fixed for the real cluster (the planner writes integers) cannot hold on 2 CPU
+    processes, so a copy with those keys set to "auto" is rehearsed; every other setting is kept.
+    """
+    launch = yaml.safe_load(Path(accelerate_config).read_text()) if accelerate_config else {}
+    path = config.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if path is None:
+        return config.deepspeed, []
+    raw = deepspeed_json.load(path)
+    fixed = [key for key in BATCH_KEYS if raw.get(key, "auto") != "auto"]
+    if not fixed:
+        return config.deepspeed, []
+    copy = workdir / "deepspeed_rehearsal.json"
+    copy.write_text(json.dumps(raw | {key: "auto" for key in fixed}, indent=2))
+    return str(copy), [f"{path}: {', '.join(fixed)} are fixed for the real cluster; rehearsed as \"auto\""]
+
+
+def rehearsal_config(config: TrainConfig, model_dir: Path, output_dir: Path, steps: int) -> TrainConfig:
+    """The user's config with the sizes that only cost time scaled down; everything that decides
+    which code runs (method, LoRA targets, quantization, DeepSpeed JSON, precision, data) kept."""
+    return dataclasses.replace(
+        config,
+        model=str(model_dir),
+        lr=base_lr(config),  # the real model's default, which the shrunk copy (not in the catalog) would lose
+        output_dir=str(output_dir),
+        max_steps=steps,
+        # the same global batch on 1 or 2 processes (accumulation 4 or 2), so rehearsals of different
+        # strategies must give the same losses
+        micro_batch_size=2,
+        gradient_accumulation_steps=None,
+        global_batch_size=REHEARSAL_GLOBAL_BATCH,
+        max_seq_len=min(config.max_seq_len, MAX_REHEARSAL_SEQ_LEN),
+        warmup_steps=min(config.warmup_steps, 1),
+        max_eval_examples=8,
+        num_samples=1,
+        eval_every=0,
+        log_every=1,
+        save_every=steps,  # one resumable checkpoint at the end, through the strategy's sharded save
+        save_final=True,
+        resume=None,
+        report_to="none",
+        preflight_timeout=min(config.preflight_timeout, 120.0),
+    )
+
+
+def launch_command(accelerate_config: str | None, num_processes: int, port: int, run_yaml: Path) -> list[str]:
+    """`accelerate launch` of the training CLI on one machine; CPU only (see `rehearsal_env`)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if accelerate_config:
+        command += ["--config_file", accelerate_config]
+    elif num_processes > 1:
+        command += ["--multi_gpu"]  # without a config, accelerate launch would start a single process
+    command += ["--num_processes", str(num_processes), "--num_machines", "1", "--machine_rank", "0",
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--gpu_ids", "all"]
+    if num_processes > 1:
+        command += ["--rdzv_backend", "static"]
+    return command + ["-m", "finetune", "--config", str(run_yaml)]
+
+
+def rehearsal_env() -> dict[str, str]:
+    """Hide GPUs and point DeepSpeed at its CPU accelerator, so the rehearsal runs where it would
+    run without a GPU even on a machine that has one."""
+    return os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
+                         "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def launch_config(accelerate_config: str | None) -> str | None:
+    """The accelerate config a plain `accelerate launch` would use: the given file, else the user's
+    default config (`accelerate config`) if there is one, else None (DDP)."""
+    from accelerate.commands.config import default_config_file
+
+    if accelerate_config is None and Path(default_config_file).is_file():
+        return default_config_file
+    return accelerate_config
+
+
+def processes_for(accelerate_config: str | None) -> int:
+    """2 processes, or 1 for an accelerate config that runs a single process."""
+    if accelerate_config is None:
+        return 2
+    path = Path(accelerate_config)
+    if not path.is_file():
+        raise FinetuneError(f"rehearse: --config_file {accelerate_config}: no such file (see accelerate_configs/)")
+    launch = yaml.safe_load(path.read_text()) or {}
+    return 1 if str(launch.get("distributed_type", "NO")).upper() == "NO" else 2
+
+
+def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, steps: int = 3,
+             timeout_s: float = 900.0) -> Rehearsal:
+    """Shrink the model, run `steps` updates with a save on CPU processes, and check what came out."""
+    model_dir = write_shrunk_model(config, workdir / "model", seed=config.seed)
+    deepspeed, notes = rehearsal_deepspeed_json(config, accelerate_config, workdir)
+    run_dir = workdir / "run"
+    run_yaml = workdir / "rehearsal.yaml"
+    save_yaml(dataclasses.replace(rehearsal_config(config, model_dir, run_dir, steps), deepspeed=deepspeed), run_yaml)
+    command = launch_command(accelerate_config, processes_for(accelerate_config), free_port(), run_yaml)
+    try:
+        finished = subprocess.run(command, env=rehearsal_env(), capture_output=True, text=True, timeout=timeout_s)
+        log, returncode = finished.stdout + finished.stderr, finished.returncode
+    except subprocess.TimeoutExpired as e:
+        log, returncode = f"{e.stdout or ''}{e.stderr or ''}\nrehearsal timed out after {timeout_s:g} s", -1
+    (workdir / "rehearsal.log").write_text(log)
+    result = inspect_run(run_dir, steps, log)
+    result.notes = notes
+    if returncode != 0:
+        result.passed = False
+        result.problems.insert(0, explain_failure(log, returncode))
+    return result
+
+
+def inspect_run(run_dir: Path, steps: int, log: str) -> Rehearsal:
+    """Read what a rehearsal run left behind and list everything that is missing or wrong."""
+    result = Rehearsal(passed=True, output_dir=str(run_dir), log=log)
+    match = re.search(r"strategy: (.+)", log)
+    result.strategy = match.group(1).strip() if match else "?"
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    steps_seen = [r for r in records if "loss" in r and "lr" in r]
+    result.losses = [r["loss"] for r in steps_seen]
+    result.lrs = [r["lr"] for r in steps_seen]
+    if len(steps_seen) != steps:
+        result.problems.append(f"expected {steps} logged optimizer steps, found {len(steps_seen)} in {metrics}")
+    if any(not math.isfinite(loss) for loss in result.losses):
+        result.problems.append(f"non-finite loss: {result.losses}")
+    weights = sorted(run_dir.glob("*.safetensors"))
+    for path in weights:
+        tensors, elements = safetensors_content(path)
+        result.saved.append(f"{path.name} ({tensors} tensors, {elements:,} values)")
+        if elements == 0:
+            result.problems.append(f"{path.name} is empty: the sharded model was saved without gathering its weights")
+    if not weights:
+        result.problems.append(f"no final model (*.safetensors) in {run_dir}")
+    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").is_file())
+    if checkpoints:
+        result.saved.append(f"checkpoints/{checkpoints[-1].name}")
+    else:
+        result.problems.append(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+    result.passed = not result.problems
+    return result
+
+
+def safetensors_content(path: Path) -> tuple[int, int]:
+    """(tensor count, total elements) from a safetensors header, without loading the data."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    shapes = [entry["shape"] for name, entry in header.items() if name != "__metadata__"]
+    return len(shapes), sum(math.prod(shape) for shape in shapes)
+
+
+def explain_failure(log: str, returncode: int) -> str:
+    """One paragraph: the known cause if the log shows one, and the error line itself."""
+    error_lines = [line.strip() for line in log.splitlines()
+                   if re.search(r"(Error|Exception|error:)", line) and "Traceback" not in line
+                   and "ChildFailedError" not in line and "elastic" not in line]
+    last_error = error_lines[-1] if error_lines else f"exit code {returncode}"
+    for pattern, explanation in EXPLANATIONS:
+        if re.search(pattern, log):
+            return f"{explanation}\n    last error: {last_error}"
+    return f"The run failed: {last_error}"
+
+
+def format_report(result: Rehearsal, steps: int) -> str:
+    verdict = "PASS" if result.passed else "FAIL"
+    lines = [f"rehearsal {verdict}: {result.strategy}"]
+    if result.losses:
+        lines.append(f"  {len(result.losses)}/{steps} steps, loss " + " → ".join(f"{loss:.4f}" for loss in result.losses))
+    if result.saved:
+        lines.append("  saved: " + "; ".join(result.saved))
+    lines += [f"  note: {note}" for note in result.notes]
+    lines += [f"  problem: {problem}" for problem in result.problems]
+    lines.append(f"  output: {result.output_dir} (log: {Path(result.output_dir).parent / 'rehearsal.log'})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune rehearse",
+        description="Run a training configuration on CPU processes with the model shrunk to 2 layers: "
+        "same architecture class, wrap policy, LoRA targets, quantization and DeepSpeed JSON. "
+        "Every other flag is a training flag (see `finetune --help`).",
+    )
+    parser.add_argument("--config_file", help="The accelerate config you will launch with (accelerate_configs/*.yaml).")
+    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps to run (a checkpoint is saved after the last).")
+    parser.add_argument("--workdir", help="Where the shrunk model, log and outputs go (default: a new temporary dir, kept).")
+    parser.add_argument("--timeout", type=float, default=900.0, help="Seconds before the rehearsal is stopped.")
+    args, train_args = parser.parse_known_args(argv)
+    config = parse_config(train_args)
+    accelerate_config = launch_config(args.config_file)
+    processes_for(accelerate_config)  # a missing accelerate config fails before any work
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="finetune-rehearse-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = rehearse(config, accelerate_config, workdir, steps=args.steps, timeout_s=args.timeout)
+    print(format_report(result, args.steps))
+    return 0 if result.passed else 1

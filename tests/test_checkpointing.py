@@ -1,0 +1,251 @@
+"""Checkpointer on one process: layout and manifest, crash safety, rotation, resume and its refusals.
+
+Multi-process saves, exact resume through the CLI and the kill -9 test are in test_resume_*.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import tiny_llama
+from safetensors import safe_open
+
+from finetune import checkpointing
+from finetune.checkpointing import Checkpointer, CheckpointError
+from finetune.config import TrainConfig
+from finetune.loop import Progress
+
+
+def word_tokenizer():
+    """A 64-word word-level tokenizer, so checkpoints carry tokenizer files like real runs."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0} | {f"w{i}": i for i in range(1, 64)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>")
+
+
+class Run:
+    """A tiny model loaded from `<output_dir>/base_model`, AdamW, a LambdaLR and Progress registered
+    the way run.py registers them."""
+
+    def __init__(self, output_dir: Path, method: str = "full", **flags):
+        from transformers import AutoModelForCausalLM
+
+        self.config = TrainConfig(output_dir=str(output_dir), method=method, **flags)
+        self.accelerator = Accelerator(cpu=True)
+        base = output_dir / "base_model"
+        if not base.is_dir():
+            tiny_llama(seed=0).save_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.progress = Progress()
+        self.accelerator.register_for_checkpointing(self.progress, self.scheduler)
+        self.checkpointer = Checkpointer(self.accelerator, self.config, manifest_extra={"note": "test"},
+                                         tokenizer=word_tokenizer())
+
+    def train_steps(self, n: int, save: bool = True) -> list[float]:
+        """n AdamW updates on random tokens drawn from the global RNG (so RNG restore matters)."""
+        losses = []
+        for _ in range(n):
+            ids = torch.randint(0, 64, (2, 8))
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.accelerator.backward(loss)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            self.progress.step += 1
+            self.progress.batches_in_epoch += 1
+            self.progress.tokens_seen += 14
+            losses.append(loss.item())
+            if save and self.checkpointer.should_save(self.progress.step):
+                self.checkpointer.save(self.progress)
+        return losses
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    runs = []
+
+    def make(**flags) -> Run:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        runs.append(Run(tmp_path / "out", **flags))
+        return runs[-1]
+
+    yield make
+    for run in reversed(runs):  # each restores the signal handlers it found
+        run.checkpointer.close()
+
+
+def test_layout_and_manifest_written_last(make_run):
+    run = make_run(save_every=2)
+    run.train_steps(3)
+    folder = run.checkpointer.directory / "step-000002"
+    assert sorted(p.name for p in run.checkpointer.directory.iterdir()) == ["step-000002"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    assert {f["path"]: f["bytes"] for f in manifest["files"]} == {k: v for k, v in on_disk.items() if k != "manifest.json"}
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+            "custom_checkpoint_1.pkl", "hf/config.json", "hf/generation_config.json", "hf/tokenizer.json"} <= set(on_disk)
+    assert (manifest["step"], manifest["batches_in_epoch"], manifest["tokens_seen"]) == (2, 2, 28)
+    assert manifest["world_size"] == 1 and manifest["strategy"] == "single" and manifest["model_weights"] == "all"
+    assert manifest["identity"]["global_batch_size"] == 16 and manifest["config"]["save_every"] == 2
+    assert manifest["run"] == {"note": "test"} and manifest["base_model"] == str(folder.parents[1] / "base_model")
+    assert set(manifest["versions"]) >= {"torch", "accelerate", "transformers", "safetensors"}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == len(list(run.model.parameters()))  # tied lm_head stored once
+
+
+def test_failed_save_leaves_previous_checkpoint_resumable(make_run):
+    run = make_run(save_every=2)
+    run.train_steps(2)
+    saved_weights = run.weights()
+
+    def disk_full(models, weights, output_dir):  # after some files exist, like a full disk mid-save
+        (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    handle = run.accelerator.register_save_state_pre_hook(disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        run.train_steps(2)
+    handle.remove()
+    directory = run.checkpointer.directory
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004.incomplete"]
+    assert checkpointing.complete_checkpoints(directory) == [directory / "step-000002"]
+
+    resumed = make_run(save_every=2, resume="auto")
+    assert resumed.checkpointer.resume() == directory / "step-000002"
+    assert resumed.progress.step == 2
+    for name, value in resumed.weights().items():
+        torch.testing.assert_close(value, saved_weights[name], rtol=0, atol=0)
+    resumed.train_steps(2)  # the next good save publishes step 4 and clears the leftover
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004"]
+
+
+def test_rotation_keeps_newest_complete_and_removes_leftovers(make_run):
+    run = make_run(save_every=1, keep_last=2)
+    run.train_steps(3)
+    directory = run.checkpointer.directory
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003"]
+    (directory / "step-000009.incomplete").mkdir()  # a crashed save
+    truncated = directory / "step-000003" / "optimizer.bin"  # a damaged one: no longer complete
+    size = truncated.stat().st_size
+    truncated.write_bytes(truncated.read_bytes()[:10])
+    assert checkpointing.incompleteness(directory / "step-000003") == f"optimizer.bin has 10 bytes, the manifest says {size}"
+    run.train_steps(1)
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004"]
+
+    newest_only = make_run(save_every=1, keep_last=1, resume="auto")
+    newest_only.checkpointer.resume()
+    newest_only.train_steps(2)
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000006"]
+
+
+def test_auto_resume_picks_newest_complete_and_restores_everything(make_run):
+    reference = make_run(save_every=3)
+    reference.train_steps(3)
+    expected_losses = reference.train_steps(3, save=False)
+    expected_weights, expected_lr = reference.weights(), reference.scheduler.get_last_lr()
+    directory = reference.checkpointer.directory
+    (directory / "step-000005").mkdir()  # newer but without a manifest: a half-written folder
+    (directory / "step-000005" / "model.safetensors").write_bytes(b"x")
+
+    resumed = make_run(save_every=3, resume="auto")
+    assert resumed.checkpointer.resume() == directory / "step-000003"
+    assert (resumed.progress.step, resumed.progress.tokens_seen, resumed.checkpointer.last_saved_step) == (3, 42, 3)
+    assert resumed.scheduler.last_epoch == 3
+    assert resumed.train_steps(3, save=False) == expected_losses  # bitwise: weights, Adam moments, RNG
+    assert resumed.scheduler.get_last_lr() == expected_lr
+    for name, value in resumed.weights().items():
+        torch.testing.assert_close(value, expected_weights[name], rtol=0, atol=0)
+
+    explicit = make_run(resume=str(directory / "step-000003"))
+    assert explicit.checkpointer.resume() == directory / "step-000003"
+    with pytest.raises(CheckpointError, match="step-000005 is not a complete checkpoint: no manifest.json"):
+        make_run(resume=str(directory / "step-000005")).checkpointer.resume()
+
+
+def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_run_refuses_old_ones(make_run):
+    run = make_run(resume="auto", save_every=1)
+    assert run.checkpointer.resume() is None and run.progress.step == 0
+    run.train_steps(1)
+    with pytest.raises(CheckpointError, match="already holds checkpoints of an earlier run .newest: step-000001.*--resume auto"):
+        make_run(save_every=1).checkpointer.resume()
+
+
+def test_resume_with_other_config_lists_every_difference(make_run):
+    make_run(save_every=1).train_steps(1)
+    other = make_run(resume="auto", lr=1e-4, global_batch_size=32, micro_batch_size=8, max_steps=99)
+    with pytest.raises(CheckpointError) as error:
+        other.checkpointer.resume()
+    message = str(error.value)
+    assert "peak_lr: checkpoint 0.001, this run 0.0001" in message
+    assert "global_batch_size: checkpoint 16, this run 32" in message
+    assert "micro_batch_size: checkpoint 16, this run 8" in message
+    assert "max_steps" not in message  # extending a run is what resuming is for
+    assert make_run(resume="auto", max_steps=99, log_every=5).checkpointer.resume() is not None
+
+
+def test_lora_checkpoint_holds_only_adapters(make_run):
+    run = make_run(method="lora", save_every=1)
+    run.train_steps(1)
+    folder = run.checkpointer.directory / "step-000001"
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
+    assert keys == trainable and all("lora_" in k for k in keys) and len(keys) == 2 * 7 * 2  # A, B × 7 linears × 2 layers
+    assert json.loads((folder / "hf" / "adapter_config.json").read_text())["r"] == 4
+    expected = run.weights()
+
+    resumed = make_run(method="lora", resume="auto")
+    resumed.checkpointer.resume()
+    for name, value in resumed.weights().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_preemption_signal_forces_a_save_and_sets_preempted(make_run):
+    before = signal.getsignal(signal.SIGUSR1)
+    run = make_run(save_every=100)
+    run.train_steps(1)
+    assert not run.checkpointer.should_save(1) and not run.checkpointer.preempted
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert run.checkpointer.should_save(2) and run.checkpointer.preempted
+    run.checkpointer.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_resume_refuses_pickles_that_run_code(make_run, tmp_path):
+    make_run(save_every=1).train_steps(1)
+    folder = tmp_path / "out" / "checkpoints" / "step-000001"
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"step": Payload()}, folder / "custom_checkpoint_0.pkl")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        entry["bytes"] = (folder / entry["path"]).stat().st_size
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"custom_checkpoint_0.pkl: posix.system"):
+        make_run(resume="auto").checkpointer.resume()
+    assert not marker.exists()

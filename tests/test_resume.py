@@ -1,0 +1,102 @@
+"""Exact resume in one process through the real pieces: build_accelerator, loop.train, Checkpointer.
+
+A run stopped by SIGUSR1 at step k (the preemption path) and resumed with `--resume auto` must
+reproduce the uninterrupted run's losses and final weights bitwise, with LoRA dropout on (so the
+RNG state matters) and shuffled data over several epochs (so the data position matters), for a
+stop in the middle of an epoch and one at an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from conftest import tiny_llama
+from torch.utils.data import DataLoader
+
+from finetune import loop
+from finetune.checkpointing import Checkpointer
+from finetune.config import TrainConfig, scaled_lr
+from finetune.metrics import MetricsRecorder, read_metrics
+from finetune.optim import build_optimizer, build_scheduler
+from finetune.strategies import build_accelerator
+
+STEPS = 7  # 12 examples / (micro 2 × accumulation 2) = 3 updates per epoch: stops at 2 and 3, end in epoch 3
+
+
+def examples() -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(1, 64, (6 + i % 5,), generator=generator)} for i in range(12)]
+
+
+def collate(rows: list[dict]) -> dict:
+    ids = torch.nn.utils.rnn.pad_sequence([r["input_ids"] for r in rows], batch_first=True, padding_value=0)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> tuple[list[float], dict]:
+    """One run of STEPS updates (or until SIGUSR1 sent after update `stop_at`); returns the losses
+    this process logged and the final trainable weights."""
+    from accelerate.state import AcceleratorState, GradientState
+    from peft import LoraConfig, get_peft_model
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    config = TrainConfig(output_dir=str(output_dir), method="lora", lora_dropout=0.1, micro_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=STEPS, warmup_steps=2, log_every=1,
+                         save_every=100, resume=resume)
+    accelerator, batch = build_accelerator(config)
+    set_seed(0)
+    model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
+    optimizer = build_optimizer(config, model, scaled_lr(config, batch.global_batch_size))
+    scheduler = build_scheduler(config, optimizer, STEPS)
+    loader = DataLoader(examples(), batch_size=2, shuffle=True, collate_fn=collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    progress = loop.Progress()
+    accelerator.register_for_checkpointing(progress, scheduler)
+    checkpointer = Checkpointer(accelerator, config)
+    try:
+        checkpointer.resume()
+        metrics = MetricsRecorder(accelerator, output_dir, STEPS, log_every=1, start_step=progress.step)
+        record_step = metrics.record_step
+
+        def record_and_maybe_preempt(**record):
+            record_step(**record)
+            if record["step"] == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        metrics.record_step = record_and_maybe_preempt
+        loop.train(accelerator, model, optimizer, scheduler, loader, progress=progress, max_steps=STEPS,
+                   max_grad_norm=1.0, metrics=metrics, checkpointer=checkpointer)
+        metrics.close()
+    finally:
+        checkpointer.close()
+    assert progress.step == (stop_at or STEPS)
+    losses = {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return [losses[s] for s in sorted(losses)], weights
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    losses, weights = train(tmp_path_factory.mktemp("uninterrupted"))
+    assert len(losses) == STEPS and len(set(losses)) == STEPS
+    return losses, weights
+
+
+@pytest.mark.parametrize("stop_at", [2, 3], ids=["mid-epoch", "epoch-boundary"])
+def test_preempted_and_resumed_run_equals_uninterrupted_run(tmp_path, reference, stop_at):
+    reference_losses, reference_weights = reference
+
+    interrupted = tmp_path / "interrupted"
+    first_losses, _ = train(interrupted, stop_at=stop_at)
+    assert (interrupted / "checkpoints" / f"step-{stop_at:06d}" / "manifest.json").is_file()
+    all_losses, weights = train(interrupted, resume="auto")
+    assert first_losses == reference_losses[:stop_at]
+    assert all_losses == reference_losses  # bitwise
+    for name, value in weights.items():
+        assert torch.equal(value, reference_weights[name]), name

@@ -1,0 +1,147 @@
+"""Every shipped accelerate config rehearsed on 2 CPU processes (gloo), and the invariance test: the
+same global batch gives the same loss trajectory and the same LR per update under every strategy
+and every micro × accumulation split.
+
+Slow (each rehearsal starts 2 Python processes and trains a 2-layer model): CI runs this file as its
+own step, `pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import rehearse
+from finetune.config import parse_config
+from finetune.strategies import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+# name → (accelerate config, training flags); `tiny` is shrunk like any catalog model
+REHEARSALS = {
+    "single": ("single_gpu.yaml", []),
+    "ddp": ("ddp.yaml", []),
+    "multi_node": ("multi_node.yaml", []),  # rehearsed as one machine
+    "fsdp": ("fsdp.yaml", []),
+    "fsdp_offload": ("fsdp_offload.yaml", []),
+    "zero1": ("deepspeed_zero1.yaml", []),
+    "zero2": ("deepspeed_zero2.yaml", []),
+    "zero3": ("deepspeed_zero3.yaml", []),
+    "zero3_offload": ("deepspeed_zero3_offload.yaml", []),
+    "zero2_offload_json": ("ddp.yaml", ["--deepspeed", "ds_configs/zero2_offload.json"]),  # drop-in JSON
+    "fsdp_lora": ("fsdp.yaml", ["--method", "lora"]),
+    "fsdp_qlora": ("fsdp_qlora.yaml", ["--method", "qlora"]),
+    "zero3_lora": ("deepspeed_zero3.yaml", ["--method", "lora"]),
+    "zero3_qlora": ("deepspeed_zero3.yaml", ["--method", "qlora"]),
+}
+STRATEGY = {"single": "single process on cpu", "ddp": "DDP on cpu (gloo)", "multi_node": "DDP on cpu (gloo)",
+            "fsdp": "FSDP2 on cpu (gloo)", "fsdp_offload": "FSDP2 on cpu (gloo)", "fsdp_lora": "FSDP2 on cpu (gloo)",
+            "fsdp_qlora": "FSDP2 on cpu (gloo)", "zero1": "DeepSpeed ZeRO-1 on cpu (gloo)",
+            "zero2": "DeepSpeed ZeRO-2 on cpu (gloo)", "zero2_offload_json": "DeepSpeed ZeRO-2 on cpu (gloo)",
+            "zero3": "DeepSpeed ZeRO-3 on cpu (gloo)", "zero3_offload": "DeepSpeed ZeRO-3 on cpu (gloo)",
+            "zero3_lora": "DeepSpeed ZeRO-3 on cpu (gloo)", "zero3_qlora": "DeepSpeed ZeRO-3 on cpu (gloo)"}
+FULL_FINE_TUNING = [name for name, (_, flags) in REHEARSALS.items() if "--method" not in flags]
+
+
+@pytest.fixture(scope="module")
+def rehearsed(tmp_path_factory):
+    """name → Rehearsal, each run once on first use and shared by the tests below."""
+    results: dict[str, rehearse.Rehearsal] = {}
+
+    def run(name: str) -> rehearse.Rehearsal:
+        if name not in results:
+            accelerate_config, flags = REHEARSALS[name]
+            workdir = tmp_path_factory.mktemp(name)
+            results[name] = rehearse.rehearse(parse_config(["--model", "tiny", *flags]),
+                                              str(REPO / "accelerate_configs" / accelerate_config), workdir, steps=STEPS)
+        return results[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(REHEARSALS))
+def test_shipped_config_rehearses_on_cpu(name, rehearsed):
+    result = rehearsed(name)
+    assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
+    assert result.strategy == STRATEGY[name]
+    assert len(result.losses) == STEPS and result.losses[-1] < result.losses[0]
+    run_dir = Path(result.output_dir)
+    if "--method" in REHEARSALS[name][1]:  # LoRA / QLoRA: a non-empty adapter, never an empty shell
+        tensors, values = rehearse.safetensors_content(run_dir / "adapter_model.safetensors")
+        assert tensors == 2 * 7 * 2 and values > 0  # A and B for 7 linear layers in each of 2 blocks
+    if name.startswith("zero"):
+        resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
+        assert (resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"],
+                resolved["train_batch_size"]) == (2, 2, 8)
+
+
+def retrain(command: list[str], out: Path) -> rehearse.Rehearsal:
+    """Run a training command (on a rehearsal's model and config) and check what it left in `out`."""
+    done = subprocess.run(command + ["--output-dir", str(out)], env=rehearse.rehearsal_env(),
+                          capture_output=True, text=True, timeout=900)
+    result = rehearse.inspect_run(out, STEPS, done.stdout + done.stderr)
+    assert done.returncode == 0 and result.passed, rehearse.format_report(result, STEPS) + done.stderr[-4000:]
+    return result
+
+
+def launched_with(reference: rehearse.Rehearsal, accelerate_config: str, processes: int, micro: int) -> list[str]:
+    """The rehearsal's run again under `accelerate_config` with another micro batch (same global batch)."""
+    return rehearse.launch_command(str(REPO / "accelerate_configs" / accelerate_config), processes, free_port(),
+                                   Path(reference.output_dir).parent / "rehearsal.yaml") + ["--micro-batch-size", str(micro)]
+
+
+def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and_split(rehearsed, tmp_path):
+    reference = rehearsed("single")  # 1 process: micro 2 × accumulation 4
+    runs = {name: rehearsed(name) for name in FULL_FINE_TUNING}  # 2 processes: micro 2 × accumulation 2
+    runs["single micro 8 × accum 1"] = retrain(launched_with(reference, "single_gpu.yaml", 1, 8), tmp_path / "a")
+    runs["ddp micro 1 × accum 4"] = retrain(launched_with(reference, "ddp.yaml", 2, 1), tmp_path / "b")
+    runs["zero3 micro 1 × accum 4"] = retrain(launched_with(reference, "deepspeed_zero3.yaml", 2, 1), tmp_path / "c")
+    # no launcher at all: `python -m finetune --deepspeed ...` runs a 1-process ZeRO job (ZeRO-Offload on one GPU)
+    runs["no launcher, zero2_offload.json"] = retrain(
+        [sys.executable, "-m", "finetune", "--config", str(Path(reference.output_dir).parent / "rehearsal.yaml"),
+         "--deepspeed", str(REPO / "ds_configs" / "zero2_offload.json")], tmp_path / "d")
+    for name, result in runs.items():
+        assert result.lrs == reference.lrs, name
+        assert result.losses == pytest.approx(reference.losses, rel=1e-6), name
+    assert reference.losses[0] != reference.losses[-1]  # the model trains; equal numbers are not vacuous
+
+
+@pytest.mark.parametrize(("fsdp", "zero3"), [("fsdp_lora", "zero3_lora"), ("fsdp_qlora", "zero3_qlora")])
+def test_adapters_train_the_same_under_fsdp2_and_zero3(fsdp, zero3, rehearsed):
+    assert rehearsed(fsdp).lrs == rehearsed(zero3).lrs
+    assert rehearsed(fsdp).losses == pytest.approx(rehearsed(zero3).losses, rel=1e-6)
+
+
+BATCH_SAMPLER_UNDER_DEEPSPEED = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from finetune.config import TrainConfig
+from finetune.rehearse import shrunk_model_config
+from finetune.strategies import build_accelerator
+
+accelerator, batch = build_accelerator(TrainConfig(model="tiny", micro_batch_size=2, deepspeed=sys.argv[1],
+                                                   output_dir=sys.argv[2]))
+model = AutoModelForCausalLM.from_config(shrunk_model_config(TrainConfig(model="tiny"))[0])
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+rows = [torch.arange(8) for _ in range(8)]
+loader = DataLoader(rows, batch_sampler=BatchSampler(SequentialSampler(rows), 2, drop_last=True))  # batch_size is None
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+print("micro batch", accelerator.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"])
+"""
+
+
+def test_batch_sampler_loaders_prepare_under_deepspeed(tmp_path):
+    """accelerate#841: with "auto" batch sizes Accelerate reads `loader.batch_size`, None for batch
+    samplers (packing), and fails; finetune fills them before prepare()."""
+    done = subprocess.run([sys.executable, "-c", BATCH_SAMPLER_UNDER_DEEPSPEED, str(REPO / "ds_configs" / "zero2.json"),
+                           str(tmp_path)], env=rehearse.rehearsal_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "micro batch 2"
