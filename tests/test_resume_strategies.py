@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from finetune.export import export
 from finetune.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process runs: CI's second step
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # accelerate config per strategy; "single" runs `python -m finetune` without a launcher
     "single": None,
@@ -185,8 +187,6 @@ def test_resume_on_another_world_size_is_refused(tmp_path, uninterrupted):
 
 SLOW_SAVE = """
 import os
-
-pytestmark = pytest.mark.slow  # multi-process runs: CI's second step
 if os.environ.get("RANK") == "1":
     import time
     from accelerate import Accelerator
