@@ -75,7 +75,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, *, progress: P
         batches = train_loader
         if progress.batches_in_epoch:  # resuming mid-epoch: same order, minus what was already trained on
             batches = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch)
-        if checkpointer is not None:  # [checkpointing, issue 5] after a resume: RNG as saved, once the iterator exists
+        if checkpointer is not None:  # after a resume: RNG as saved, once the iterator exists
             batches = checkpointer.with_rng_restored(batches)
         for window in accumulation_windows(batches, accumulation):
             started = time.perf_counter()

@@ -71,7 +71,7 @@ def train(config: TrainConfig) -> dict:
                 "mixed_precision": accelerator.mixed_precision, "format": data.format,
                 "train_examples": len(data.train), "eval_examples": len(data.eval),
                 "trainable_parameters": trainable, "total_parameters": total}
-    # [checkpointing, issue 5] resume before anything reads `progress`
+    # resume before anything reads `progress`
     checkpointer = Checkpointer(accelerator, config, manifest_extra=resolved, tokenizer=tokenizer)
     if checkpointer.resume() is not None:
         say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
@@ -95,11 +95,11 @@ def train(config: TrainConfig) -> dict:
                max_grad_norm=config.max_grad_norm, metrics=metrics, checkpointer=checkpointer, evaluate=evaluate,
                eval_every=config.eval_every)
     checkpointer.close()
-    if checkpointer.preempted:  # [checkpointing, issue 5] saved in the loop; stop here, exit 0
+    if checkpointer.preempted:  # saved in the loop; stop here, exit 0
         metrics.close()
         say(checkpointer.preemption_message())
         return {"steps": progress.step, "tokens_seen": progress.tokens_seen, "preempted": True}
-    if config.save_every and checkpointer.last_saved_step != progress.step:  # [checkpointing, issue 5]
+    if config.save_every and checkpointer.last_saved_step != progress.step:
         checkpointer.save(progress)
     after = evaluate()
     metrics.record_eval(progress.step, after)
