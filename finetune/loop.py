@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from finetune.data.formats import IGNORE_INDEX
 
 
 @dataclass

@@ -3,6 +3,8 @@ whole accumulation windows, and resumable progress."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
@@ -11,6 +13,7 @@ from conftest import tiny_llama
 from torch.utils.data import DataLoader
 
 from finetune import loop
+from finetune.data import Collator
 from finetune.metrics import MetricsRecorder, read_metrics
 from finetune.optim import lr_multiplier
 
@@ -29,15 +32,8 @@ def variable_length_examples(n: int = 8, seed: int = 0) -> list[dict]:
     return examples
 
 
-def pad_collate(rows: list[dict]) -> dict:
-    width = max(len(r["input_ids"]) for r in rows)
-    def pad(values, fill):
-        return torch.tensor([v + [fill] * (width - len(v)) for v in values])
-    return {
-        "input_ids": pad([r["input_ids"] for r in rows], PAD),
-        "labels": pad([r["labels"] for r in rows], -100),
-        "attention_mask": pad([[1] * len(r["input_ids"]) for r in rows], 0),
-    }
+# the project's own collator; the loop only needs the pad id from a tokenizer
+pad_collate = Collator(SimpleNamespace(pad_token_id=PAD))
 
 
 def one_sgd_update(tmp_path, micro_batch_size: int, accumulation: int):
