@@ -1,7 +1,7 @@
-"""Command line: `finetune [train] FLAGS` (default) | plan | rehearse | export | slurm.
+"""Command line: `finetune [train] FLAGS` (default) | prepare | plan | rehearse | export | slurm | doctor | scaling.
 
 Each subcommand lives in the module that owns it and is imported only when used, so
-`finetune plan` never imports torch.
+`finetune plan` never imports torch, and training flags are read and checked before it is.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from finetune.errors import FinetuneError
 
 # subcommand → "module:function"; each function takes argv and returns an exit code
 SUBCOMMANDS = {
-    "train": "finetune.run:main",
+    "train": "finetune.cli:train",
+    "prepare": "finetune.data.command:main",
     "plan": "finetune.planner.command:main",
     "export": "finetune.export:main",
     "rehearse": "finetune.rehearse:main",
     "slurm": "finetune.slurm:main",
+    "doctor": "finetune.doctor.command:main",
+    "scaling": "finetune.scaling:main",
 }
 
 
@@ -31,3 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     except FinetuneError as e:
         print(f"finetune {name}: error: {e}", file=sys.stderr)
         return 2
+
+
+def train(argv: list[str]) -> int:
+    """Parse and validate the flags torch-free, so `--help` and mistakes answer in well under a second,
+    then plan (--dry-run) or train."""
+    from finetune.config import parse_command
+    from finetune.library_logs import quiet_libraries
+
+    command = parse_command(argv)
+    if not command.config.verbose:
+        quiet_libraries()
+    from finetune import run
+
+    return run.main(command)

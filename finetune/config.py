@@ -18,13 +18,12 @@ import yaml
 
 from finetune.catalog import models as catalog
 from finetune.errors import FinetuneError
+from finetune.vocabulary import METHODS, OPTIMIZERS, PRECISIONS
 
-METHODS = ("full", "lora", "qlora")
-FORMATS = ("auto", "alpaca", "chat", "text")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+FORMATS = ("auto", "alpaca", "chat", "sharegpt", "text")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "linear", "constant")
-MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
+PRECISION_CHOICES = ("auto", *PRECISIONS)
 REPORT_TO = ("none", "tensorboard", "wandb")
 
 
@@ -58,7 +57,10 @@ class TrainConfig:
     max_seq_len: int = _field(256, "Truncate (or pack) examples to this many tokens.")
     packing: bool = _field(False, "Pack examples into full sequences; attention never crosses examples.")
     eval_split: str = _field("0.05", "Eval data: a split name of the dataset, or a fraction of train held out.")
-    max_eval_examples: int = _field(200, "Cap on eval examples (loss and exact-match generation).")
+    max_eval_examples: int = _field(200, "Cap on eval examples (0: no evaluation at all).")
+    data_cache: str | None = _field(None, "Directory for tokenized data, reused by later runs with the same data, tokenizer and options (unset: $FINETUNE_DATA_CACHE, else ~/.cache/finetune/data); none: no cache.")
+    dataset_num_proc: int | None = _field(None, "Processes that tokenize (unset: one per 20,000 rows, up to the CPU count).")
+    eval_generate: int | None = _field(None, "Eval prompts to answer by greedy generation for exact match (unset: all for the builtin dataset, 0 for other data; under FSDP/ZeRO-3 each generated token gathers the model).")
     # batch
     micro_batch_size: int = _field(16, "Examples per forward pass per process.")
     gradient_accumulation_steps: int | None = _field(None, "Micro-batches per optimizer step (derived from --global-batch-size if unset).")
@@ -72,11 +74,19 @@ class TrainConfig:
     warmup_steps: int = _field(20, "Linear warmup from 0 over this many optimizer updates.")
     min_lr_ratio: float = _field(0.1, "Final LR as a fraction of the peak (cosine and linear).")
     weight_decay: float = _field(0.0, "AdamW weight decay.")
+    adam_beta1: float = _field(0.9, "AdamW β1 (first-moment decay).")
+    adam_beta2: float = _field(0.95, "AdamW β2 (second-moment decay); 0.95 is steadier than torch's 0.999 for LLMs.")
+    adam_epsilon: float = _field(1e-8, "AdamW ε added to the denominator.")
     max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this (0 disables).")
     max_steps: int | None = _field(None, "Optimizer updates to run (overrides --epochs).")
     epochs: float | None = _field(None, "Passes over the training data when --max-steps is unset (unset: 1, or the catalog model's own, 4 for tiny).")
     seed: int = _field(0, "Seed for model init, data order and dropout.")
-    mixed_precision: str = _field("auto", "auto = bf16 on GPUs that support it, fp32 on CPU.", MIXED_PRECISIONS)
+    precision: str = _field(
+        "auto", "-mixed: fp32 weights, 16-bit autocast; -true: 16-bit weights (LoRA adapters fp32). auto: bf16-mixed "
+        "for full, bf16-true for LoRA/QLoRA (fp16 on GPUs without bf16; the launch config's mixed_precision family "
+        "if it sets one), fp32 on CPU.", PRECISION_CHOICES)
+    gpu: str | None = _field(None, "GPU model to plan this run for (--dry-run, fit check), e.g. A100-40GB; unset: the GPU this process sees.")
+    fit_check: bool = _field(True, "On a GPU, stop before loading weights when the run's planned memory exceeds the free GPU memory or host RAM.")
     # output
     output_dir: str = _field("output", "Where metrics, plots, checkpoints and the final model go.")
     log_every: int = _field(10, "Write a metrics.jsonl line every N optimizer updates.")
@@ -87,6 +97,7 @@ class TrainConfig:
     save_every: int = _field(0, "Save a resumable checkpoint every N optimizer updates and at the end (0: only on SIGTERM/SIGUSR1).")
     keep_last: int = _field(0, "Keep only the newest K complete checkpoints (0: keep all).")
     resume: str | None = _field(None, "auto (newest complete checkpoint in --output-dir, else start fresh) or a checkpoint/output dir path.")
+    verbose: bool = _field(False, "Also show the libraries' own logs and warnings (DeepSpeed, transformers, bitsandbytes, datasets, Hub).")
 
     @property
     def lora_target_modules(self) -> str | list[str]:
@@ -174,29 +185,71 @@ def validate(config: TrainConfig) -> None:
         value = getattr(config, f.name)
         if choices and value not in choices:
             problems.append(f"--{_flag(f.name)} {value!r} is not one of {', '.join(choices)}")
-    positive = ("lora_r", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size")
+    positive = ("lora_r", "lora_alpha", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size")
     for name in positive:
         if getattr(config, name) < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")
-    for name in ("save_every", "keep_last"):
+    not_negative = ("save_every", "keep_last", "warmup_steps", "eval_every", "num_samples", "max_eval_examples",
+                    "weight_decay", "max_grad_norm")
+    for name in not_negative:
         if getattr(config, name) < 0:
             problems.append(f"--{_flag(name)} must be ≥ 0, got {getattr(config, name)}")
-    for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps"):
+    if not 0 <= config.min_lr_ratio <= 1:
+        problems.append(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if config.preflight_timeout <= 0:
+        problems.append(f"--preflight-timeout must be > 0, got {config.preflight_timeout}")
+    try:
+        if not 0 < float(config.eval_split) < 1:
+            problems.append(f"--eval-split {config.eval_split}: a held-out fraction must be between 0 and 1")
+    except ValueError:
+        pass  # a split name, checked against the dataset's splits when it loads
+    for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps", "dataset_num_proc"):
         value = getattr(config, name)
         if value is not None and value < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
-    if config.lr is not None and config.lr <= 0:
-        problems.append(f"--lr must be > 0, got {config.lr}")
+    if config.eval_generate is not None and config.eval_generate < 0:
+        problems.append(f"--eval-generate must be ≥ 0, got {config.eval_generate}")
+    if config.max_eval_examples == 0 and (config.eval_every or config.eval_generate):
+        problems.append("--max-eval-examples 0 turns evaluation off; drop --eval-every/--eval-generate or allow eval examples")
+    if config.lr is not None and not (0 < config.lr < math.inf):
+        problems.append(f"--lr must be a positive number, got {config.lr}")
     if config.epochs is not None and config.epochs <= 0 and config.max_steps is None:
         problems.append(f"--epochs must be > 0, got {config.epochs}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            problems.append(f"--{_flag(name)} must be in [0, 1), got {getattr(config, name)}")
+    if config.adam_epsilon <= 0:
+        problems.append(f"--adam-epsilon must be > 0, got {config.adam_epsilon}")
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
-    if config.model.startswith((".", "/", "~")) and not Path(config.model).expanduser().is_dir():
-        problems.append(f"--model {config.model}: no such directory")
-    elif not (Path(config.model).is_dir() or catalog.lookup(config.model) or "/" in config.model):
-        problems.append(str(catalog.unknown_model_error(config.model)))
+    model_problem = _model_problem(config.model)
+    if model_problem:
+        problems.append(model_problem)
     if problems:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+# what --model accepts, for errors
+MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), or a model directory with config.json"
+
+
+def _model_problem(model: str) -> str | None:
+    """Why `model` names nothing a run can load (a dataset or a config.json passed by mistake, a
+    directory without config.json, a catalog typo), or None when it may load."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return f"--model {model}: a file, not a model. Expected {MODEL_FORMS}."
+    if path.is_dir():
+        try:
+            catalog.read_local_config(path, MODEL_FORMS)
+        except FinetuneError as e:
+            return str(e)
+        return None
+    if catalog.looks_like_path(model):
+        return f"--model {model}: no such directory. Expected {MODEL_FORMS}."
+    if catalog.lookup(model) is None and "/" not in model:
+        return str(catalog.unknown_model_error(model))
+    return None
 
 
 # ---------------------------------------------------------------- YAML and command line
@@ -241,6 +294,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         if f.name in data and data[f.name] is not None:
             kind = _base_type(f.type)
             value = data[f.name]
+            if kind is float and isinstance(value, str):
+                try:  # PyYAML reads exponents without a dot (1e-3) as strings
+                    value = data[f.name] = float(value)
+                except ValueError:
+                    pass
             ok = isinstance(value, kind) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
             if not ok or (kind is int and isinstance(value, bool)):
                 raise ConfigError(f"{path}: key '{f.name}' should be {kind.__name__}, got {value!r}")
@@ -253,10 +311,12 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Fine-tune a language model with one Accelerate training loop. "
-        "Subcommands: plan, rehearse, export, slurm (see `finetune SUBCOMMAND --help`).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "Subcommands: prepare, plan, rehearse, export, slurm, doctor, scaling (see `finetune SUBCOMMAND --help`).",
     )
     parser.add_argument("--config", help="YAML file of options; flags given on the command line override it.")
+    parser.add_argument("--dry-run", action="store_true", help="Build the run on fake tensors, print its plan "
+                        "(per-GPU memory as planned and as built) and exit without loading weights.")
+    parser.add_argument("--json", action="store_true", help="With --dry-run: print the plan as `finetune plan --json` does.")
     for f in dataclasses.fields(TrainConfig):
         kind = _base_type(f.type)
         help_text = f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else "")
@@ -267,18 +327,38 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                 f"--{_flag(f.name)}", type=kind, default=None, choices=f.metadata["choices"], help=help_text,
                 metavar=None if f.metadata["choices"] else kind.__name__.upper(),
             )
-    parser.formatter_class = argparse.HelpFormatter
     return parser
 
 
-def parse_config(argv: list[str] | None) -> TrainConfig:
+# every option: how a config built in code reads (it means each value it holds; see Command.given)
+EVERY_OPTION = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
+@dataclass(frozen=True)
+class Command:
+    """A training command line: the run it describes, whether to only plan it, and which options
+    the user set (a flag or a --config YAML key) rather than left at their defaults. A DeepSpeed
+    JSON's optimizer and scheduler choices are adopted only for options not in `given`."""
+
+    config: TrainConfig
+    dry_run: bool = False
+    json: bool = False
+    given: frozenset[str] = EVERY_OPTION
+
+
+def parse_command(argv: list[str] | None) -> Command:
     """defaults < --config YAML < flags, then validated."""
     args = vars(build_parser().parse_args(argv))
+    modes = {name: args.pop(name) for name in ("dry_run", "json")}
     values = load_yaml(args.pop("config")) if args.get("config") else {}
     values.update({key: value for key, value in args.items() if value is not None})
     config = TrainConfig(**values)
     validate(config)
-    return config
+    return Command(config, **modes, given=frozenset(key for key, value in values.items() if value is not None))
+
+
+def parse_config(argv: list[str] | None) -> TrainConfig:
+    return parse_command(argv).config
 
 
 def save_yaml(config: TrainConfig, path: str | Path, extra: dict[str, Any] | None = None) -> None:

@@ -1,7 +1,9 @@
 """`finetune export CHECKPOINT_OR_OUTPUT_DIR --out DIR [--merge-lora] [--dtype bf16|fp16|fp32]`.
 
-Turns a training checkpoint (see checkpointing.py) into a folder that `from_pretrained` loads:
-- full fine-tuning: sharded safetensors + index, config, generation config, tokenizer;
+Turns a training checkpoint (see checkpointing.py), or the final model a finished run saved in its
+output dir, into a folder that `from_pretrained` loads:
+- full fine-tuning: safetensors (numbered shards + index above --max-shard-size), config,
+  generation config, tokenizer;
 - LoRA/QLoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json), or with
   `--merge-lora` the base model with the adapters merged in (QLoRA: the NF4-quantized base the
   adapters were trained against, dequantized, plus the adapters).
@@ -20,13 +22,22 @@ import json
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from finetune.checkpointing import HF_DIR, CheckpointError, find_checkpoint, read_manifest, unsafe_pickle_globals
+from finetune.checkpointing import (
+    HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, read_manifest,
+    unsafe_pickle_globals,
+)
+from finetune.checkpointing.layout import STEP_DIR
+from finetune.library_logs import quiet_libraries
+from finetune.vocabulary import PRECISIONS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -51,20 +62,25 @@ class Weights:
 
 
 class SafetensorsWeights(Weights):
-    """`model.safetensors` from single-process and DDP checkpoints (DDP names start with `module.`)."""
+    """`model.safetensors` from single-process and DDP checkpoints (DDP names start with `module.`),
+    or the safetensors files of a saved model (one file, or the shards its index lists)."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        with safe_open(str(path), "pt") as f:
-            self.keys = {key.removeprefix("module."): key for key in f.keys()}
-            self.specs = {}
-            for name, key in self.keys.items():
-                piece = f.get_slice(key)
-                self.specs[name] = (torch.Size(piece.get_shape()), _safetensors_dtype(piece.get_dtype()))
+    def __init__(self, paths: list[Path]):
+        self.keys, self.specs = {}, {}  # name → (file, key in it); name → (shape, dtype)
+        for path in paths:
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    name = key.removeprefix("module.")
+                    piece = f.get_slice(key)
+                    self.keys[name] = (path, key)
+                    self.specs[name] = (torch.Size(piece.get_shape()), _safetensors_dtype(piece.get_dtype()))
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        with safe_open(str(self.path), "pt") as f:
-            return {name: f.get_tensor(self.keys[name]) for name in names}
+        out = {}
+        for path in dict.fromkeys(self.keys[n][0] for n in names):
+            with safe_open(str(path), "pt") as f:
+                out.update({n: f.get_tensor(self.keys[n][1]) for n in names if self.keys[n][0] == path})
+        return {n: out[n] for n in names}
 
 
 class DcpWeights(Weights):
@@ -207,7 +223,7 @@ def _safetensors_dtype(name: str) -> torch.dtype:
 def open_weights(checkpoint: Path) -> Weights:
     """The reader for whichever format the checkpoint's strategy wrote."""
     if (checkpoint / "model.safetensors").is_file():
-        return SafetensorsWeights(checkpoint / "model.safetensors")
+        return SafetensorsWeights([checkpoint / "model.safetensors"])
     if (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file():
         return DcpWeights(checkpoint / "pytorch_model_fsdp_0")
     if (checkpoint / "pytorch_model").is_dir():
@@ -272,9 +288,9 @@ def adapter_name(name: str) -> str:
     return re.sub(r"(\.lora_\w+)\.default\b", r"\1", name)
 
 
-def _copy_hf_files(checkpoint: Path, out: Path, skip: set[str]) -> None:
-    """Config, generation config, tokenizer and adapter config saved with the checkpoint, minus `skip`."""
-    for path in (checkpoint / HF_DIR).iterdir():
+def _copy_hf_files(trained: Trained, out: Path, skip: set[str]) -> None:
+    """Config, generation config, tokenizer and adapter config saved with the model, minus `skip`."""
+    for path in trained.hf_files:
         if path.name not in skip:
             shutil.copy2(path, out / path.name)
 
@@ -290,39 +306,131 @@ def _rewrite_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+# ---------------------------------------------------------------- what to export
+
+# what a run writes into its output dir besides the final model (run.py, metrics.py, strategies.py)
+RUN_FILES = {"run.yaml", "summary.json", "metrics.jsonl", "loss_curve.png", "deepspeed_config.json", "README.md"}
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What an export reads: a complete checkpoint, or the final model a finished run saved in its
+    output dir (safetensors beside run.yaml)."""
+
+    path: Path
+    method: str  # full, lora or qlora
+    base_model: str | None  # the pretrained weights LoRA adapters merge into
+    precision: str  # the run's --precision; QLoRA's 4-bit base computed in its compute dtype
+    hf_files: tuple[Path, ...]  # model config, generation config, tokenizer, adapter config
+    weight_files: tuple[Path, ...] = ()  # the final model's safetensors; empty for a checkpoint
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return not self.weight_files
+
+    def weights(self) -> Weights:
+        return open_weights(self.path) if self.is_checkpoint else SafetensorsWeights(list(self.weight_files))
+
+    def hf_config(self) -> dict:
+        """The model's config.json (none beside a LoRA run's final adapter)."""
+        config = next((p for p in self.hf_files if p.name == "config.json"), None)
+        return json.loads(config.read_text()) if config is not None else {}
+
+
+def find_trained(source: str | Path) -> Trained:
+    """The checkpoint folder `source`; for an output dir, its final model unless a complete checkpoint
+    is newer (a run preempted after resuming), else its newest complete checkpoint.
+
+    Raises CheckpointError for an incomplete checkpoint, or a folder holding neither.
+    """
+    path = Path(source)
+    final = _final_model(path)
+    checkpoints = complete_checkpoints(checkpoints_dir(path))
+    if final is not None and (not checkpoints or _final_step(path) >= read_manifest(checkpoints[-1])["step"]):
+        return final
+    if final is None and not checkpoints and not (path / MANIFEST).exists() and not STEP_DIR.match(path.name):
+        raise CheckpointError(
+            f"Nothing to export in {path}: no complete checkpoint ({checkpoints_dir(path)}/step-NNNNNN/{MANIFEST}) "
+            "and no final model (model.safetensors or adapter_model.safetensors beside run.yaml, as a finished "
+            "run saves them). Pass a run's output dir or one of its checkpoint folders."
+        )
+    checkpoint = find_checkpoint(path)
+    manifest = read_manifest(checkpoint)
+    return Trained(path=checkpoint, method=manifest["config"]["method"], base_model=manifest["base_model"],
+                   precision=manifest["identity"]["precision"],
+                   hf_files=tuple(sorted((checkpoint / HF_DIR).iterdir())))
+
+
+def _final_model(output_dir: Path) -> Trained | None:
+    """The model `run.py` saved at the end of training in `output_dir`, or None."""
+    try:
+        run = yaml.safe_load((output_dir / "run.yaml").read_text())
+        method, resolved = run["method"], run.get("resolved") or {}
+        weight_files = _saved_weight_files(output_dir, "model" if method == "full" else "adapter_model")
+        base_model = None
+        if weight_files and method != "full":
+            base_model = json.loads((output_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError):  # no finished run here
+        return None
+    if not weight_files:
+        return None
+    hf_files = tuple(p for p in sorted(output_dir.iterdir()) if p.is_file() and p.name not in RUN_FILES
+                     and not p.name.endswith((".safetensors", ".safetensors.index.json")))
+    return Trained(path=output_dir, method=method, base_model=base_model,
+                   precision=resolved["precision"], hf_files=hf_files,
+                   weight_files=tuple(weight_files))
+
+
+def _saved_weight_files(folder: Path, stem: str) -> list[Path]:
+    """`<stem>.safetensors`, or the shards `<stem>.safetensors.index.json` lists, as save_pretrained writes them."""
+    if (folder / f"{stem}.safetensors").is_file():
+        return [folder / f"{stem}.safetensors"]
+    index = folder / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
+
+
+def _final_step(output_dir: Path) -> int:
+    """The step the final model was saved at (summary.json), -1 when unknown."""
+    try:
+        return int(json.loads((output_dir / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
 # ---------------------------------------------------------------- export
 
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype: str | None = None,
            max_shard_size: str = "5GB") -> Path:
-    """Export the checkpoint `source` (or the newest complete one of output dir `source`) to `out`.
+    """Export what `find_trained(source)` finds to `out`.
 
     Returns `out`. Raises CheckpointError for incomplete/unsafe checkpoints, a non-empty `out`, or
-    `--merge-lora` on a full fine-tuning checkpoint.
+    `--merge-lora` on full fine-tuning.
     """
-    checkpoint = find_checkpoint(source)
-    manifest = read_manifest(checkpoint)
-    method = manifest["config"]["method"]
+    trained = find_trained(source)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--out {out} is not empty; choose a new folder.")
-    if merge_lora and method == "full":
-        raise CheckpointError("--merge-lora: this checkpoint is full fine-tuning; there is no adapter to merge.")
-    unsafe = unsafe_pickle_globals(checkpoint)
-    if unsafe:
-        raise CheckpointError(f"Refusing to read {checkpoint}: unsafe pickles {unsafe}.")
-    hf_config = json.loads((checkpoint / HF_DIR / "config.json").read_text())
+    if merge_lora and trained.method == "full":
+        raise CheckpointError(f"--merge-lora: {trained.path} is full fine-tuning; there is no adapter to merge.")
+    if trained.is_checkpoint:
+        unsafe = unsafe_pickle_globals(trained.path)
+        if unsafe:
+            raise CheckpointError(f"Refusing to read {trained.path}: unsafe pickles {unsafe}.")
+    hf_config = trained.hf_config()
     dtype = dtype or CONFIG_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"), "fp32")
     max_bytes = parse_size(max_shard_size)
-    weights = open_weights(checkpoint)
+    weights = trained.weights()
     out.mkdir(parents=True, exist_ok=True)
 
-    if method == "full":
+    if trained.method == "full":
         names = {n: n for n in weights.specs}
         if hf_config.get("tie_word_embeddings") and "lm_head.weight" in names:
             del names["lm_head.weight"]  # the same tensor as the input embedding
         write_safetensors(weights, names, out, DTYPES[dtype], max_bytes)
-        _copy_hf_files(checkpoint, out, skip={ADAPTER_CONFIG})
+        _copy_hf_files(trained, out, skip={ADAPTER_CONFIG})
         _rewrite_json(out / "config.json", dtype=TORCH_DTYPE_NAMES[dtype], torch_dtype=None)
         return out
 
@@ -330,11 +438,11 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype:
     try:
         names = {n: adapter_name(n) for n in weights.specs if ".lora_" in n}
         write_safetensors(weights, names, adapter_dir, None, max_shard_bytes=None, stem="adapter_model")
-        _copy_hf_files(checkpoint, adapter_dir, skip={"config.json"})
-        _rewrite_json(adapter_dir / ADAPTER_CONFIG, base_model_name_or_path=manifest["base_model"])
+        _copy_hf_files(trained, adapter_dir, skip={"config.json"})
+        _rewrite_json(adapter_dir / ADAPTER_CONFIG, base_model_name_or_path=trained.base_model)
         if merge_lora:
-            _merge(manifest, adapter_dir, out, dtype, max_shard_size)
-            _copy_hf_files(checkpoint, out, skip={"config.json", "generation_config.json", ADAPTER_CONFIG})
+            _merge(trained, adapter_dir, out, dtype, max_shard_size)
+            _copy_hf_files(trained, out, skip={"config.json", "generation_config.json", ADAPTER_CONFIG})
             _rewrite_json(out / "config.json", quantization_config=None)
     finally:
         if merge_lora:
@@ -342,7 +450,7 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype:
     return out
 
 
-def _merge(manifest: dict, adapter_dir: Path, out: Path, dtype: str, max_shard_size: str) -> None:
+def _merge(trained: Trained, adapter_dir: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     """Base + adapters merged with PEFT's merge_and_unload, saved in `dtype`.
 
     QLoRA adapters were trained against the NF4-quantized base, so that is what they are merged
@@ -352,11 +460,11 @@ def _merge(manifest: dict, adapter_dir: Path, out: Path, dtype: str, max_shard_s
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_source = manifest["base_model"]
-    if manifest["config"]["method"] == "qlora":
+    base_source = trained.base_model
+    if trained.method == "qlora":
         from finetune.modeling import nf4_config  # the exact quantization training used
 
-        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(manifest["identity"]["mixed_precision"], torch.float32)
+        compute = getattr(torch, PRECISIONS[trained.precision].compute)
         base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32, quantization_config=nf4_config(compute))
         base = base.dequantize(dtype=torch.float32)
     else:
@@ -375,18 +483,22 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer), or a LoRA/QLoRA checkpoint to a PEFT adapter (merged into the base with --merge-lora).",
     )
     parser.add_argument("checkpoint", help="A checkpoint folder (…/checkpoints/step-000200) or an output dir "
-                        "(its newest complete checkpoint is used).")
+                        "(its final model, or its newest complete checkpoint if that is newer).")
     parser.add_argument("--out", required=True, help="Folder to write; must be new or empty.")
     parser.add_argument("--merge-lora", action="store_true", help="Merge LoRA/QLoRA adapters into the base weights.")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="Weights dtype (default: the model config's dtype).")
-    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file, e.g. 5GB or 500MB.")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file, e.g. 5GB or 500MB "
+                        "(a smaller model is one model.safetensors; larger ones are numbered shards + index).")
+    parser.add_argument("--verbose", action="store_true", help="Also show the libraries' own logs and warnings.")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.verbose:
+        quiet_libraries()
     out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
                  max_shard_size=args.max_shard_size)
     files = sorted(p.name for p in out.iterdir())
-    print(f"exported {find_checkpoint(args.checkpoint)} → {out}: {', '.join(files)}")
+    print(f"exported {find_trained(args.checkpoint).path} → {out}: {', '.join(files)}")
     return 0

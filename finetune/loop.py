@@ -14,14 +14,25 @@ the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 × accum 4 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from finetune.data.formats import IGNORE_INDEX
+from finetune.vocabulary import IGNORE_INDEX
+
+if TYPE_CHECKING:  # the loop calls them; it never needs to build them
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from finetune.checkpointing import Checkpointer
+    from finetune.metrics import MetricsRecorder
 
 
 @dataclass
@@ -55,14 +66,20 @@ def count_input_tokens(batch: dict) -> torch.Tensor:
 
 def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
     """Consecutive groups of `size` micro-batches; a trailing partial group is dropped so every
-    optimizer step sees the same number of micro-batches (and resume lands on a window boundary)."""
+    optimizer step sees the same number of micro-batches (and resume lands on a window boundary).
+
+    A window is read whole before its first forward, so the dataloader of an epoch's last window has
+    already ended when it trains: the Accelerator must count micro-batches, not sync at the end of
+    the dataloader (`sync_with_dataloader=False`, set in strategies.build_accelerator)."""
     iterator = iter(batches)
     while len(window := list(itertools.islice(iterator, size))) == size:
         yield window
 
 
-def train(accelerator, model, optimizer, scheduler, train_loader, *, progress: Progress, max_steps: int,
-          max_grad_norm: float, metrics, checkpointer=None, evaluate=None, eval_every: int = 0) -> None:
+def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: DataLoader, *, progress: Progress,
+          max_steps: int, max_grad_norm: float, metrics: MetricsRecorder, checkpointer: Checkpointer | None = None,
+          evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> None:
     """Run optimizer updates until `progress.step == max_steps` (or a preemption signal).
 
     `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates;
@@ -82,13 +99,15 @@ def train(accelerator, model, optimizer, scheduler, train_loader, *, progress: P
             counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
             global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            grad_norm = None  # clipped on the window's last micro-batch, where the gradients are synced
             for batch in window:
                 with accelerator.accumulate(model):
                     loss = model(**batch, num_items_in_batch=global_targets).loss  # local sum / global count
                     accelerator.backward(loss * accumulation * world_size)
                     step_loss += loss.detach()
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm else None
+                        if max_grad_norm:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
@@ -118,11 +137,16 @@ def train(accelerator, model, optimizer, scheduler, train_loader, *, progress: P
 # ---------------------------------------------------------------- evaluation
 
 
+def progress_bar(shown: bool) -> dict:
+    """tqdm options of an eval bar: shown on the main process only, gone once done."""
+    return {"disable": not shown, "leave": False, "file": sys.stdout, "dynamic_ncols": True}
+
+
 @torch.no_grad()
-def evaluation_loss(accelerator, model, eval_loader) -> float:
+def evaluation_loss(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader) -> float:
     """Token-weighted mean loss over the whole eval set, each example counted once across ranks."""
     sums, counts = [], []
-    for batch in eval_loader:
+    for batch in tqdm(eval_loader, desc="eval loss", **progress_bar(accelerator.is_main_process)):
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         targets = batch["labels"][:, 1:]
         token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
@@ -134,7 +158,9 @@ def evaluation_loss(accelerator, model, eval_loader) -> float:
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64) -> list[str]:
+def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+                       max_new_tokens: int, batch_size: int = 64,
+                       show_progress: bool = False) -> list[str]:
     """Greedy generations for prompt token ids, decoded without the prompt and special tokens.
 
     Every rank generates the same prompts: under FSDP/ZeRO-3 each forward is a collective, so all
@@ -142,7 +168,7 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
     """
     device = next(model.parameters()).device
     completions = []
-    for start in range(0, len(prompts), batch_size):
+    for start in tqdm(range(0, len(prompts), batch_size), desc="eval generate", **progress_bar(show_progress)):
         chunk = prompts[start:start + batch_size]
         width = max(map(len, chunk))
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in chunk], device=device)
@@ -153,7 +179,8 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
     return completions
 
 
-def evaluate(accelerator, model, eval_loader, tokenizer, eval_prompts: list[dict], keep_train_mode: bool) -> dict:
+def evaluate(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader, tokenizer: PreTrainedTokenizerBase,
+             eval_prompts: list[dict], keep_train_mode: bool) -> dict:
     """Eval loss, exact-match accuracy of greedy generations, and the generations themselves.
 
     `keep_train_mode` evaluates without switching to eval mode: 4-bit bitsandbytes layers repack
@@ -166,7 +193,7 @@ def evaluate(accelerator, model, eval_loader, tokenizer, eval_prompts: list[dict
         expected = [p["expected"] for p in eval_prompts]
         max_new_tokens = max(len(tokenizer(e, add_special_tokens=False)["input_ids"]) for e in expected) + 2
         got = greedy_completions(accelerator.unwrap_model(model), tokenizer, [p["prompt_ids"] for p in eval_prompts],
-                                 max_new_tokens)
+                                 max_new_tokens, show_progress=accelerator.is_main_process)
         matches = [g.strip() == e.strip() for g, e in zip(got, expected)]
         result["exact_match"] = sum(matches) / len(matches)
         result["samples"] = [{"prompt": p["prompt"], "expected": p["expected"], "generated": g}

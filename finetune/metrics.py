@@ -16,10 +16,12 @@ from tqdm.auto import tqdm
 
 
 def peak_memory_gib() -> dict[str, float]:
-    """Peak memory of this process: CUDA allocated where a GPU is used, host RSS always."""
+    """Peak memory of this process: CUDA allocated and reserved (what the caching allocator holds,
+    the part of nvidia-smi's figure a run controls) where a GPU is used, host RSS always."""
     peaks = {"peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
     if torch.cuda.is_available():
         peaks["peak_gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        peaks["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return peaks
 
 

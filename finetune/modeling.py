@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from finetune.catalog import models as catalog
 from finetune.config import TrainConfig
 from finetune.errors import FinetuneError
+from finetune.resolved import ResolvedRun
 
 
 def resolve_source(config: TrainConfig) -> tuple[str, catalog.ModelSpec | None]:
@@ -36,25 +37,39 @@ def resolve_source(config: TrainConfig) -> tuple[str, catalog.ModelSpec | None]:
     return config.model, None  # a Hugging Face id
 
 
-def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int) -> None:
-    """Write a seeded random-init model (config + safetensors) for catalog models without weights.
+def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int,
+                            dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """Write a seeded random-init model of a catalog shape without published weights, with the
+    builtin tokenizer (see `write_random_init`). Benchmarks of published shapes write them once in
+    the checkpoint's 16-bit dtype and initialise on the GPU (`dtype`, `device`): a 7B shape is then
+    13 GB and seconds, not 27 GB and minutes."""
+    from finetune.data import BUILTIN_DIR
+
+    write_random_init(AutoConfig.for_model(**spec.to_hf_config_dict()), AutoTokenizer.from_pretrained(BUILTIN_DIR),
+                      directory, seed, dtype, device)
+
+
+def write_random_init(hf_config, tokenizer: PreTrainedTokenizerBase, directory: Path, seed: int,
+                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """Save a seeded random-init model of `hf_config` (config + safetensors) and `tokenizer` to
+    `directory`, which `from_pretrained` then loads like any checkpoint.
 
     Idempotent: an existing folder is reused so resumed runs and every rank load the same weights.
+    Written to a folder per process and renamed: on a shared filesystem several nodes' main
+    processes may race here, and the first rename wins (the same seed gives the same weights).
     """
     if (directory / "config.json").is_file():
         return
-    from finetune.data import BUILTIN_DIR
-
     torch.manual_seed(seed)
-    hf_config = AutoConfig.for_model(**spec.to_hf_config_dict())
-    model = AutoModelForCausalLM.from_config(hf_config)
-    # a folder per process: on a shared filesystem several nodes' main processes may race here
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     tmp = directory.with_name(f"{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(BUILTIN_DIR).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    del model
     try:
         os.replace(tmp, directory)
-    except OSError:  # another node finished first; its weights are identical (same seed)
+    except OSError:  # another process finished first; its weights are identical
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -66,16 +81,40 @@ def load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def load_model(config: TrainConfig, source: str, compute_dtype: torch.dtype) -> torch.nn.Module:
+def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
     """The model ready to train: full, LoRA (PEFT) or QLoRA (4-bit NF4 base via bitsandbytes + LoRA).
 
-    Weights load in fp32 for full/LoRA so mixed precision keeps fp32 master weights; QLoRA computes
-    in `compute_dtype` (the training dtype).
+    Weights load in the precision's weight dtype (fp32 for -mixed, so the optimizer updates fp32
+    master weights; 16-bit for -true); QLoRA's 4-bit matmuls compute in the compute dtype, and the
+    modules it does not quantize (embeddings, norms, LM head) keep the weight dtype. On a GPU, runs
+    whose strategy does not shard weights load straight onto it, so host RAM holds one checkpoint
+    shard at a time rather than a copy of the model per process (FSDP and ZeRO-3 load through
+    Accelerate's rank-0 / zero.Init paths instead).
     """
-    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa", "trust_remote_code": config.trust_remote_code}
-    if config.method == "qlora":
-        kwargs["quantization_config"] = nf4_config(compute_dtype)
-    model = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    kwargs = model_kwargs(run)
+    if device.type == "cuda" and not run.strategy.shards_weights:
+        kwargs["device_map"] = {"": device}
+    model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation="sdpa",
+                             trust_remote_code=run.config.trust_remote_code, **kwargs)
+    return prepare_for_training(model, run.config)
+
+
+def model_kwargs(run: ResolvedRun) -> dict:
+    """`from_pretrained` dtype and quantization for the run's method and precision."""
+    kwargs: dict = {"dtype": getattr(torch, run.precision.weights)}
+    if run.config.method == "qlora":
+        kwargs["quantization_config"] = nf4_config(getattr(torch, run.precision.compute))
+    return kwargs
+
+
+def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """What every loaded model goes through before training: no KV cache, gradient checkpointing,
+    LoRA adapters, train mode. Shared by training and `--dry-run`'s meta-device build.
+
+    QLoRA needs nothing more: PEFT freezes the base, and non-reentrant checkpointing needs no
+    input-gradient hook. (PEFT's prepare_model_for_kbit_training would also upcast every
+    non-quantized weight to fp32, which is what -mixed precisions load anyway and -true ones avoid.)
+    """
     # no KV cache in training forwards: it costs memory, and a cache object disables transformers'
     # detection of packed sequences from position_ids (generation turns it back on per call)
     model.config.use_cache = False
@@ -86,6 +125,78 @@ def load_model(config: TrainConfig, source: str, compute_dtype: torch.dtype) -> 
     # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
     model.train()
     return model
+
+
+def build_skeleton(run: ResolvedRun):
+    """The model `load_model` would build, at full size, on fake tensors (shapes and dtypes, no data
+    or memory): same dtype, 4-bit replacement (transformers' own bitsandbytes integration) and
+    quantization (bitsandbytes' own, so the packed storage is what it allocates), LoRA wrapping and
+    preparation.
+    What `--dry-run` and `finetune plan --simulate` measure.
+
+    Returns (model, fake_mode): run anything that touches the model's tensors inside `with fake_mode:`.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hf_config = (AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None
+                 else AutoConfig.from_pretrained(run.source, trust_remote_code=run.config.trust_remote_code))
+    kwargs = model_kwargs(run)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"], attn_implementation="sdpa")
+    if "quantization_config" in kwargs:
+        from bitsandbytes.functional import quantize_4bit
+        from transformers.quantizers import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(kwargs["quantization_config"], pre_quantized=False)
+        quantizer.preprocess_model(model, dtype=kwargs["dtype"], device_map=None)  # nn.Linear → Linear4bit
+        # bitsandbytes builds its code tables from real values on first use: once, outside fake mode
+        quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
+    model = prepare_for_training(model, run.config)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        _give_fake_storage(model)
+    return model, fake_mode
+
+
+def _give_fake_storage(model: torch.nn.Module) -> None:
+    """Swap every meta parameter and buffer for a fake CPU tensor of the same shape and dtype; tied
+    weights stay tied. A 4-bit weight becomes what bitsandbytes' quantization allocates for it: the
+    packed weight, and its quantization state (absmax, nested absmax and code tables) as buffers."""
+    # every slot first, holding the meta tensors alive so their ids stay unique while we swap
+    slots = [(module, table, is_param, name, tensor) for module in model.modules()
+             for table, is_param in ((module._parameters, True), (module._buffers, False))
+             for name, tensor in table.items() if tensor is not None]
+    fakes: dict[int, torch.Tensor] = {}
+    quantized: dict[tuple, dict[str, torch.Tensor]] = {}  # one quantization per distinct weight shape
+    for module, table, is_param, name, tensor in slots:
+        if type(tensor).__name__ == "Params4bit":
+            key = (tuple(tensor.shape), tensor.dtype, tensor.blocksize, tensor.compress_statistics,
+                   tensor.quant_type, tensor.quant_storage)
+            if key not in quantized:
+                quantized[key] = _quantized_4bit(tensor)
+            pieces = {piece: torch.empty_like(value) for piece, value in quantized[key].items()}
+            table[name] = torch.nn.Parameter(pieces.pop("packed"), requires_grad=False)
+            for piece, value in pieces.items():
+                module.register_buffer(f"{name}_{piece}", value, persistent=False)
+            continue
+        if id(tensor) not in fakes:
+            fake = torch.empty_like(tensor, device="cpu")
+            fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+        table[name] = fakes[id(tensor)]
+
+
+def _quantized_4bit(weight) -> dict[str, torch.Tensor]:
+    """The tensors bitsandbytes allocates when it quantizes `weight` as Params4bit does: the packed
+    weight and its quantization state."""
+    from bitsandbytes.functional import quantize_4bit
+
+    packed, state = quantize_4bit(torch.empty(weight.shape, dtype=weight.dtype), blocksize=weight.blocksize,
+                                  compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
+                                  quant_storage=weight.quant_storage)
+    pieces = {"packed": packed, "absmax": state.absmax, "code": state.code}
+    if state.nested:
+        pieces |= {"offset": state.offset, "nested_absmax": state.state2.absmax, "nested_code": state.state2.code}
+    return pieces
 
 
 def check_packing_support(model: torch.nn.Module) -> None:
@@ -118,11 +229,8 @@ def nf4_config(compute_dtype: torch.dtype):
 
 
 def _add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
-    if config.method == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
@@ -144,7 +252,20 @@ def _from_pretrained(cls, source: str, **kwargs):
         raise FinetuneError(
             f"Could not load '{source}': {str(e).splitlines()[0]}\n"
             "If this machine is offline or the repo is gated, download it elsewhere "
-            f"(`huggingface-cli download {source} --local-dir DIR`) and pass --model DIR."
+            f"(`hf download {source} --local-dir DIR`) and pass --model DIR."
+        ) from e
+    except ValueError as e:  # unknown model_type, no causal-LM class for this config, unusable tokenizer files
+        raise FinetuneError(
+            f"Could not load '{source}': {str(e).splitlines()[0]}\n"
+            "--model must be a causal language model this transformers version knows: config.json with a "
+            "supported model_type, tokenizer files and weights."
+        ) from e
+    except RuntimeError as e:
+        if "mismatched" not in str(e) and "loading state_dict" not in str(e):
+            raise
+        raise FinetuneError(  # transformers logs which tensors differ as a warning, shown with --verbose
+            f"Could not load '{source}': its weights do not have the shapes its config.json gives "
+            "(run with --verbose to see transformers' report of each tensor)."
         ) from e
 
 

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from finetune.errors import FinetuneError
 
-PACKAGES = ("torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "deepspeed", "finetune")
+# the stack a run depends on: equal on every rank (preflight), recorded in every checkpoint manifest
+PACKAGES = ("torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "deepspeed", "safetensors", "finetune")
 TIMEOUT_EXIT_CODE = 3
 
 
@@ -136,7 +138,7 @@ def run_checks(accelerator: Accelerator, output_dir: str | Path, dog: Watchdog) 
     mine = {"rank": rank, "host": socket.gethostname(), "machine_rank": int(os.environ.get("GROUP_RANK", "0")),
             "local_rank": accelerator.local_process_index,
             "versions": package_versions(), "output_dir": probe_output_dir(output_dir, rank)}
-    reports = gather_objects(mine, world)
+    reports = gather_object([mine])  # every rank's report, on every rank
 
     problems = diagnose(reports, output_dir)
     if total != expected:
@@ -147,14 +149,6 @@ def run_checks(accelerator: Accelerator, output_dir: str | Path, dog: Watchdog) 
     machines = len({r["machine_rank"] for r in reports})
     return (f"preflight: {world} rank(s) on {machines} machine(s) joined; all-reduce ok; package versions equal; "
             f"output dir writable ({time.perf_counter() - started:.1f} s)")
-
-
-def gather_objects(obj: dict, world: int) -> list[dict]:
-    if world == 1:
-        return [obj]
-    gathered: list = [None] * world
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 def diagnose(reports: list[dict], output_dir: str | Path) -> list[str]:

@@ -1,42 +1,71 @@
 """One training run, wired top to bottom: config → accelerator → model and data → loop → save.
 
 `python -m finetune [flags]` and `accelerate launch [--config_file X.yaml] -m finetune [flags]` land
-in `main`. The strategy comes from the launch (see strategies.py); this file is the same for all.
+in `train`, through cli.py, which parses the flags first. The strategy comes from the launch (see
+strategies.py); this file is the same for all.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from finetune import loop, modeling
+from finetune import loop, modeling, runplan
 from finetune.checkpointing import Checkpointer
-from finetune.config import TrainConfig, parse_config, planned_epochs, save_yaml, scaled_lr
+from finetune.config import EVERY_OPTION, Command, TrainConfig, planned_epochs, save_yaml
 from finetune.data import Collator, prepare_data
 from finetune.metrics import MetricsRecorder, plot_loss_curve
-from finetune.optim import build_optimizer, build_scheduler
+from finetune.optim import build_optimizer, build_scheduler, continue_schedule
+from finetune.resolved import Device, Launch, ResolvedRun, resolve_run
 from finetune.strategies import build_accelerator
 
 
-def main(argv: list[str] | None = None) -> int:
-    train(parse_config(argv))
+def main(command: Command) -> int:
+    """Plan (--dry-run) or train the run `command` describes; cli.train has parsed it."""
+    run, device = resolve(command.config, command.given)
+    if command.dry_run:
+        if run.launch.rank == 0:
+            print(runplan.dry_run_report(run, device, command.json))
+        return 0
+    train(run, device)
     return 0
 
 
-def train(config: TrainConfig) -> dict:
-    """Train as `config` says; returns the summary also written to `<output_dir>/summary.json`."""
-    source, spec = modeling.resolve_source(config)
-    if spec is not None and spec.hf_id is None:
+def resolve(config: TrainConfig, given: frozenset[str] = EVERY_OPTION) -> tuple[ResolvedRun, Device]:
+    """The run this process resolves `config` (with the options the user `given`) to under its
+    launcher, and the device it trains on."""
+    device = this_device()
+    return resolve_run(config, Launch.from_environment(), device, given), device
+
+
+def this_device() -> Device:
+    """The GPU this process will train on (the launcher's LOCAL_RANK), or the CPU."""
+    if not torch.cuda.is_available():
+        return Device()
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    free, total = torch.cuda.mem_get_info(index)
+    return Device(cuda=True, name=torch.cuda.get_device_name(index), bf16=torch.cuda.is_bf16_supported(),
+                  free_bytes=free, total_bytes=total)
+
+
+def train(run: ResolvedRun, device: Device) -> dict:
+    """Train as `run` says; returns the summary also written to `<output_dir>/summary.json`."""
+    config = run.config
+    if device.cuda and config.fit_check:
+        runplan.check_fit(run, device)  # before any weights load, and before the process group forms
+    if run.random_init:
         # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
         # collective, which a rank waiting at a barrier never joins. Every rank writes the same
         # seeded weights and the first atomic rename wins.
-        modeling.materialize_random_init(spec, Path(source), seed=config.seed)
-    accelerator, batch = build_accelerator(config)
+        modeling.materialize_random_init(run.spec, Path(run.source), seed=config.seed)
+    accelerator = build_accelerator(run)
+    batch = run.batch
     output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -44,53 +73,53 @@ def train(config: TrainConfig) -> dict:
 
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
     with accelerator.local_main_process_first():
-        tokenizer = modeling.load_tokenizer(source, config.trust_remote_code)
+        tokenizer = modeling.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
-    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    model = modeling.load_model(config, source, compute_dtype)
+    model = modeling.load_model(run, accelerator.device)
     if config.packing:
         modeling.check_packing_support(model)
 
     collator = Collator(tokenizer)
     train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
-    eval_loader = DataLoader(data.eval, batch_size=batch.micro_batch_size, collate_fn=collator)
     windows_per_epoch = math.ceil(len(data.train) / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
     max_steps = config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
-    lr = scaled_lr(config, batch.global_batch_size)
+    run = run.with_max_steps(max_steps)
+    lr = run.peak_lr
     optimizer = build_optimizer(config, model, lr)
     scheduler = build_scheduler(config, optimizer, max_steps)
 
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     progress = loop.Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
 
     trainable, total = modeling.parameter_counts(accelerator.unwrap_model(model))
     resolved = {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
                 "global_batch_size": batch.global_batch_size, "max_steps": max_steps, "peak_lr": lr,
-                "mixed_precision": accelerator.mixed_precision, "format": data.format,
+                "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
                 "train_examples": len(data.train), "eval_examples": len(data.eval),
                 "trainable_parameters": trainable, "total_parameters": total}
     # resume before anything reads `progress`
-    checkpointer = Checkpointer(accelerator, config, manifest_extra=resolved, tokenizer=tokenizer)
+    checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
     if checkpointer.resume() is not None:
         say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
+        schedule_change = continue_schedule(scheduler, max_steps, progress.step)
+        if schedule_change:
+            say(schedule_change)
     if accelerator.is_main_process:
         save_yaml(config, output_dir / "run.yaml", extra=resolved)
     say(f"model {config.model} ({config.method}): {trainable:,} trainable of {total:,} parameters")
-    say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}); "
+    say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
         f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
         f"{batch.world_size} = global {batch.global_batch_size}; {max_steps} optimizer steps at peak lr {lr:.2e}")
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 
-    def evaluate() -> dict:
-        return loop.evaluate(accelerator, model, eval_loader, tokenizer, data.eval_prompts,
-                             keep_train_mode=config.method == "qlora")
-
-    before = evaluate()
+    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, batch.micro_batch_size)
+    before = evaluate() if evaluate else {}
     metrics = MetricsRecorder(accelerator, output_dir, max_steps, config.log_every, start_step=progress.step)
-    metrics.record_eval(progress.step, before)
+    if before:
+        metrics.record_eval(progress.step, before)
     loop.train(accelerator, model, optimizer, scheduler, train_loader, progress=progress, max_steps=max_steps,
                max_grad_norm=config.max_grad_norm, metrics=metrics, checkpointer=checkpointer, evaluate=evaluate,
                eval_every=config.eval_every)
@@ -101,15 +130,16 @@ def train(config: TrainConfig) -> dict:
         return {"steps": progress.step, "tokens_seen": progress.tokens_seen, "preempted": True}
     if config.save_every and checkpointer.last_saved_step != progress.step:
         checkpointer.save(progress)
-    after = evaluate()
-    metrics.record_eval(progress.step, after)
+    after = evaluate() if evaluate else {}
+    if after:
+        metrics.record_eval(progress.step, after)
     metrics.close()
 
     if config.save_final:
         save_final(accelerator, model, tokenizer, output_dir)
     summary = {
         "steps": progress.step, "tokens_seen": progress.tokens_seen,
-        "eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
+        "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
         "exact_match_before": before.get("exact_match"), "exact_match_after": after.get("exact_match"),
         "samples": after.get("samples", [])[: config.num_samples],
     }
@@ -119,6 +149,38 @@ def train(config: TrainConfig) -> dict:
         say(format_summary(summary))
     accelerator.end_training()
     return summary
+
+
+NO_EVAL_REASON = {True: "--max-eval-examples 0", False: "the eval split is empty"}
+
+
+def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, collator, micro_batch_size: int):
+    """`evaluate()` for this run, or None when eval is off (--max-eval-examples 0, or no eval rows).
+
+    Eval loss always; greedy exact match only on the first `generated_prompts` prompts, because
+    under FSDP/ZeRO-3 every generated token gathers the whole model on every rank.
+    """
+    if len(data.eval) == 0:
+        accelerator.print(f"eval: off ({NO_EVAL_REASON[config.max_eval_examples == 0]})")
+        return None
+    # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
+    eval_loader = accelerator.prepare_data_loader(DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator))
+    prompts = data.eval_prompts[:generated_prompts(config, len(data.eval_prompts))]
+    accelerator.print(f"eval: loss on {len(data.eval):,} examples; "
+                      + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
+                         "no generation (--eval-generate N adds greedy exact match on N prompts)"))
+
+    def evaluate() -> dict:
+        return loop.evaluate(accelerator, model, eval_loader, tokenizer, prompts, keep_train_mode=config.method == "qlora")
+
+    return evaluate
+
+
+def generated_prompts(config: TrainConfig, available: int) -> int:
+    """--eval-generate, or when unset: every eval prompt of the builtin dataset (tiny model, quick
+    answers), none for other data (a real model's generations cost far more than its eval loss)."""
+    wanted = config.eval_generate if config.eval_generate is not None else (available if config.dataset == "builtin" else 0)
+    return min(wanted, available)
 
 
 def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
@@ -136,6 +198,8 @@ def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
 
 
 def format_summary(summary: dict) -> str:
+    if summary["eval_loss_before"] is None:
+        return f"\n{summary['steps']} optimizer steps; no evaluation"
     lines = ["", f"{'':24}{'before':>10}{'after':>10}",
              f"{'eval loss':24}{summary['eval_loss_before']:>10.4f}{summary['eval_loss_after']:>10.4f}"]
     if summary["exact_match_before"] is not None:

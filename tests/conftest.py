@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -10,15 +13,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps process-wide singletons; each test builds its own Accelerator from scratch."""
-    yield
+
+def pytest_configure(config):
+    """Tokenized data goes to a cache of this test session, not ~/.cache: set before test modules
+    copy os.environ for the processes they launch."""
+    os.environ["FINETUNE_DATA_CACHE"] = tempfile.mkdtemp(prefix="finetune-test-data-cache-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.pop("FINETUNE_DATA_CACHE"), ignore_errors=True)
+
+
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide singletons, so the next Accelerator is built from scratch
+    (as in a new process)."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test builds its own Accelerator from scratch."""
+    yield
+    reset_accelerate()
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
@@ -34,3 +55,85 @@ def tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int
     }
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+
+
+def word_tokenizer():
+    """A 64-word word-level tokenizer, so checkpoints carry tokenizer files like real runs."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0} | {f"w{i}": i for i in range(1, 64)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>")
+
+
+class Run:
+    """A tiny model loaded from `<output_dir>/base_model`, AdamW, a LambdaLR and Progress registered
+    the way run.py registers them, with the Accelerator and Checkpointer a run builds (shared by the
+    checkpointing and export tests)."""
+
+    def __init__(self, output_dir: Path, method: str = "full", **flags):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from finetune.checkpointing import Checkpointer
+        from finetune.config import TrainConfig
+        from finetune.loop import Progress
+        from finetune.run import resolve
+        from finetune.strategies import build_accelerator
+
+        self.config = TrainConfig(output_dir=str(output_dir), method=method, **flags)
+        self.run, _ = resolve(self.config)
+        self.accelerator = build_accelerator(self.run)
+        base = output_dir / "base_model"
+        if not base.is_dir():
+            tiny_llama(seed=0).save_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.progress = Progress()
+        self.accelerator.register_for_checkpointing(self.progress, self.scheduler)
+        self.checkpointer = Checkpointer(self.accelerator, self.run, self.model, manifest_extra={"note": "test"},
+                                         tokenizer=word_tokenizer())
+
+    def train_steps(self, n: int, save: bool = True) -> list[float]:
+        """n AdamW updates on random tokens drawn from the global RNG (so RNG restore matters)."""
+        import torch
+
+        losses = []
+        for _ in range(n):
+            ids = torch.randint(0, 64, (2, 8))
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.accelerator.backward(loss)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            self.progress.step += 1
+            self.progress.batches_in_epoch += 1
+            self.progress.tokens_seen += 14
+            losses.append(loss.item())
+            if save and self.checkpointer.should_save(self.progress.step):
+                self.checkpointer.save(self.progress)
+        return losses
+
+    def weights(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """make(**flags) → a Run in tmp_path/out; their signal handlers are restored afterwards."""
+    runs = []
+
+    def make(**flags) -> Run:
+        reset_accelerate()
+        runs.append(Run(tmp_path / "out", **flags))
+        return runs[-1]
+
+    yield make
+    for run in reversed(runs):  # each restores the signal handlers it found
+        run.checkpointer.close()

@@ -12,87 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
-from conftest import tiny_llama
 from safetensors import safe_open
 
 from finetune import checkpointing
-from finetune.checkpointing import Checkpointer, CheckpointError
-from finetune.config import TrainConfig
-from finetune.loop import Progress
-
-
-def word_tokenizer():
-    """A 64-word word-level tokenizer, so checkpoints carry tokenizer files like real runs."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0} | {f"w{i}": i for i in range(1, 64)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>")
-
-
-class Run:
-    """A tiny model loaded from `<output_dir>/base_model`, AdamW, a LambdaLR and Progress registered
-    the way run.py registers them."""
-
-    def __init__(self, output_dir: Path, method: str = "full", **flags):
-        from transformers import AutoModelForCausalLM
-
-        self.config = TrainConfig(output_dir=str(output_dir), method=method, **flags)
-        self.accelerator = Accelerator(cpu=True)
-        base = output_dir / "base_model"
-        if not base.is_dir():
-            tiny_llama(seed=0).save_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        if method == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.progress = Progress()
-        self.accelerator.register_for_checkpointing(self.progress, self.scheduler)
-        self.checkpointer = Checkpointer(self.accelerator, self.config, manifest_extra={"note": "test"},
-                                         tokenizer=word_tokenizer())
-
-    def train_steps(self, n: int, save: bool = True) -> list[float]:
-        """n AdamW updates on random tokens drawn from the global RNG (so RNG restore matters)."""
-        losses = []
-        for _ in range(n):
-            ids = torch.randint(0, 64, (2, 8))
-            loss = self.model(input_ids=ids, labels=ids).loss
-            self.accelerator.backward(loss)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            self.scheduler.step()
-            self.progress.step += 1
-            self.progress.batches_in_epoch += 1
-            self.progress.tokens_seen += 14
-            losses.append(loss.item())
-            if save and self.checkpointer.should_save(self.progress.step):
-                self.checkpointer.save(self.progress)
-        return losses
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-
-@pytest.fixture
-def make_run(tmp_path):
-    runs = []
-
-    def make(**flags) -> Run:
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        runs.append(Run(tmp_path / "out", **flags))
-        return runs[-1]
-
-    yield make
-    for run in reversed(runs):  # each restores the signal handlers it found
-        run.checkpointer.close()
+from finetune.checkpointing import CheckpointError
 
 
 def test_layout_and_manifest_written_last(make_run):
@@ -124,7 +47,8 @@ def test_failed_save_leaves_previous_checkpoint_resumable(make_run):
         raise OSError(28, "No space left on device")
 
     handle = run.accelerator.register_save_state_pre_hook(disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"step-000004 failed on rank 0: \[Errno 28\] No space left on device\. "
+                                              r"The newest complete checkpoint is still step-000002; .*--resume auto"):
         run.train_steps(2)
     handle.remove()
     directory = run.checkpointer.directory
@@ -140,23 +64,64 @@ def test_failed_save_leaves_previous_checkpoint_resumable(make_run):
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004"]
 
 
-def test_rotation_keeps_newest_complete_and_removes_leftovers(make_run):
+def damage(path: Path) -> str:
+    """Truncate a checkpoint file the way a bad copy would; returns what the manifest check says."""
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:10])
+    return f"{path.name} has 10 bytes, the manifest says {size}"
+
+
+def test_rotation_removes_unfinished_saves_and_old_complete_ones_never_damaged_ones(make_run):
     run = make_run(save_every=1, keep_last=2)
     run.train_steps(3)
     directory = run.checkpointer.directory
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003"]
     (directory / "step-000009.incomplete").mkdir()  # a crashed save
-    truncated = directory / "step-000003" / "optimizer.bin"  # a damaged one: no longer complete
-    size = truncated.stat().st_size
-    truncated.write_bytes(truncated.read_bytes()[:10])
-    assert checkpointing.incompleteness(directory / "step-000003") == f"optimizer.bin has 10 bytes, the manifest says {size}"
+    problem = damage(directory / "step-000002" / "optimizer.bin")  # no longer complete: may be the only copy of its work
+    assert checkpointing.incompleteness(directory / "step-000002") == problem
     run.train_steps(1)
-    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003", "step-000004"]
 
     newest_only = make_run(save_every=1, keep_last=1, resume="auto")
     newest_only.checkpointer.resume()
     newest_only.train_steps(2)
-    assert sorted(p.name for p in directory.iterdir()) == ["step-000006"]
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000006"]
+
+
+def test_resume_auto_names_damaged_checkpoints_and_resumes_from_the_newest_complete_one(make_run, capsys):
+    run = make_run(save_every=2)
+    run.train_steps(4)
+    directory = run.checkpointer.directory
+    problem = damage(directory / "step-000004" / "optimizer.bin")
+    (directory / "step-000006.incomplete").mkdir()  # and a save that never finished
+    with pytest.raises(CheckpointError, match=f"newest checkpoints in .* are damaged:\n  - step-000004 is damaged: {problem}"):
+        make_run(resume=str(directory.parent)).checkpointer.resume()  # an output dir: the user names the checkpoint
+
+    resumed = make_run(save_every=2, resume="auto")
+    assert resumed.checkpointer.resume() == directory / "step-000002"
+    printed = capsys.readouterr().out
+    assert f"checkpoint step-000004 is damaged, not resuming from it: {problem}" in printed
+    assert "ignoring step-000006.incomplete: a save that never finished" in printed
+    assert "resuming from step-000002, the newest complete checkpoint; the damaged ones stay as they are" in printed
+    resumed.train_steps(2)  # saves step 4 again: the damaged folder is moved aside, not deleted
+    (kept,) = directory.glob("step-000004.damaged-*")
+    assert checkpointing.incompleteness(kept) == problem and f"kept it as {kept.name}" in capsys.readouterr().out
+    assert checkpointing.complete_checkpoints(directory) == [directory / "step-000002", directory / "step-000004"]
+
+
+def test_resume_auto_stops_when_checkpoints_exist_but_none_is_complete(make_run, tmp_path):
+    make_run(save_every=1).train_steps(1)
+    directory = checkpointing.checkpoints_dir(tmp_path / "out")
+    problem = damage(directory / "step-000001" / "optimizer.bin")
+    before = sorted((str(p), p.stat().st_size) for p in directory.rglob("*"))
+    with pytest.raises(CheckpointError) as error:
+        make_run(resume="auto", save_every=1).checkpointer.resume()
+    message = str(error.value)
+    assert f"holds checkpoints, but none is complete:\n  - step-000001: {problem}" in message
+    assert "fix:" in message and f"rm -r {directory / 'step-000001'}" in message and "another --output-dir" in message
+    with pytest.raises(CheckpointError, match="already holds checkpoints of an earlier run .newest: step-000001"):
+        make_run(save_every=1).checkpointer.resume()  # a fresh run would rotate it away with its first save
+    assert sorted((str(p), p.stat().st_size) for p in directory.rglob("*")) == before
 
 
 def test_auto_resume_picks_newest_complete_and_restores_everything(make_run):
@@ -183,10 +148,14 @@ def test_auto_resume_picks_newest_complete_and_restores_everything(make_run):
         make_run(resume=str(directory / "step-000005")).checkpointer.resume()
 
 
-def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_run_refuses_old_ones(make_run):
+def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_run_refuses_old_ones(make_run, tmp_path, capsys):
+    unfinished = checkpointing.checkpoints_dir(tmp_path / "out") / "step-000003.incomplete"
+    unfinished.mkdir(parents=True)  # a first save that never finished holds no checkpoint
     run = make_run(resume="auto", save_every=1)
     assert run.checkpointer.resume() is None and run.progress.step == 0
+    assert "ignoring step-000003.incomplete: a save that never finished" in capsys.readouterr().out
     run.train_steps(1)
+    assert not unfinished.exists()
     with pytest.raises(CheckpointError, match="already holds checkpoints of an earlier run .newest: step-000001.*--resume auto"):
         make_run(save_every=1).checkpointer.resume()
 

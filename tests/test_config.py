@@ -78,7 +78,7 @@ def test_lr_scaling_against_base_global_batch():
 def test_help_lists_every_option_with_its_help_text():
     help_text = build_parser().format_help()
     for flag in ("--micro-batch-size", "--global-batch-size", "--lora-targets", "--train-on-prompt", "--packing",
-                 "--lr-scaling", "--mixed-precision", "--gradient-checkpointing", "--report-to"):
+                 "--lr-scaling", "--precision", "--gradient-checkpointing", "--report-to", "--dry-run", "--fit-check"):
         assert flag in help_text
     assert "Examples per forward pass per process" in help_text
 

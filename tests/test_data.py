@@ -16,7 +16,8 @@ from finetune.catalog.models import get
 from finetune.config import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
 from finetune.data.builtin import CHARACTERS, DATASET_FILE, NUM_ROWS, TASKS, write_builtin
-from finetune.data.formats import IGNORE_INDEX, alpaca_prompt
+from finetune.vocabulary import IGNORE_INDEX
+from finetune.data.formats import alpaca_prompt
 from finetune.errors import FinetuneError
 
 ALPACA_ROWS = [
@@ -121,6 +122,20 @@ def test_chat_learns_only_assistant_turns(tokenizer, tmp_path):
     assert example["prompt"].endswith("### User:\nand 4+4?\n### Assistant:\n")
 
 
+def test_sharegpt_is_detected_and_encoded_as_the_same_chat(tokenizer, tmp_path):
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    conversations = [{"from": roles[m["role"]], "value": m["content"]} for m in CHAT]
+    for name, row in (("sharegpt", {"conversations": conversations}), ("chat", {"messages": CHAT})):
+        (tmp_path / name).mkdir()
+        write_jsonl(tmp_path / name / "train.jsonl", [row])
+        write_jsonl(tmp_path / name / "test.jsonl", [row])
+    sharegpt = prepare(tokenizer, tmp_path / "sharegpt", eval_split="test")
+    chat = prepare(tokenizer, tmp_path / "chat", eval_split="test")
+    assert (sharegpt.format, chat.format) == ("sharegpt", "chat")
+    assert sharegpt.train.to_list() == chat.train.to_list() and sharegpt.eval.to_list() == chat.eval.to_list()
+    assert sharegpt.eval_prompts == chat.eval_prompts and sharegpt.eval_prompts[0]["expected"] == "8"
+
+
 def test_text_learns_every_token_and_has_no_exact_match_prompts(tokenizer, tmp_path):
     data = prepare(tokenizer, write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}, {"text": "bye"}]))
     [row] = data.train
@@ -181,6 +196,27 @@ def test_malformed_values_are_named(tokenizer, tmp_path, row, problem):
     first = {"messages": CHAT} if "messages" in row else ALPACA_ROWS[0]
     with pytest.raises(FinetuneError, match=re.escape(problem)):
         prepare(tokenizer, write_jsonl(tmp_path / "m.jsonl", [first, row]))
+
+
+@pytest.mark.parametrize("turns, problem", [
+    ([{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}],
+     "row 1: message 1 has unknown role 'bot' (ShareGPT roles: system, human, gpt)"),
+    ([{"from": "human", "value": "hi"}, {"from": "gpt"}], "row 1: message 1 is not a {from, value} pair of strings"),
+    ([{"from": "gpt", "value": "hello"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "bye"}],
+     "row 1: message 0 has role 'gpt': a conversation opens with a system or user message for it to answer"),
+    ([{"from": "human", "value": "hi"}], "row 1: no message has role 'gpt'"),
+])
+def test_bad_sharegpt_rows_are_named(tokenizer, tmp_path, turns, problem):
+    good = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    rows = [{"conversations": good}, {"conversations": turns}]
+    with pytest.raises(FinetuneError, match=re.escape(problem) + ".*Format sharegpt expects fields conversations"):
+        prepare(tokenizer, write_jsonl(tmp_path / "s.jsonl", rows))
+
+
+def test_chat_opening_with_the_assistant_is_named(tokenizer, tmp_path):
+    rows = [{"messages": CHAT}, {"messages": CHAT[2:]}]
+    with pytest.raises(FinetuneError, match="row 1: message 0 has role 'assistant': a conversation opens with"):
+        prepare(tokenizer, write_jsonl(tmp_path / "c.jsonl", rows))
 
 
 def test_chat_needs_a_template_that_renders_prefix_by_prefix(tmp_path):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import word_tokenizer
 import torch
-from test_checkpointing import make_run  # noqa: F401  (fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.checkpointing import CheckpointError
 from finetune.cli import main as cli
-from finetune.export import export, plan_shards
+from finetune.export import export, find_trained, plan_shards
 
 TOKENS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6]])
 
@@ -73,14 +73,62 @@ def test_lora_export_as_adapter_and_merged(make_run, tmp_path):
 def test_export_refusals(make_run, tmp_path):
     run = make_run(save_every=1)
     run.train_steps(1)
-    with pytest.raises(CheckpointError, match="full fine-tuning; there is no adapter"):
+    with pytest.raises(CheckpointError, match="is full fine-tuning; there is no adapter"):
         export(tmp_path / "out", tmp_path / "x", merge_lora=True)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("keep me")
     with pytest.raises(CheckpointError, match="not empty"):
         export(tmp_path / "out", tmp_path / "busy")
-    with pytest.raises(CheckpointError, match="No complete checkpoint in"):
+    with pytest.raises(CheckpointError, match="Nothing to export in .*busy: no complete checkpoint"):
         export(tmp_path / "busy", tmp_path / "y")
+
+
+def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_run, tmp_path):
+    from finetune.config import save_yaml
+    from finetune.run import save_final
+
+    run = make_run(save_every=2)
+    run.train_steps(2)
+    output_dir = tmp_path / "out"
+    save_final(run.accelerator, run.model, word_tokenizer(), output_dir)  # as run.py ends a run
+    save_yaml(run.config, output_dir / "run.yaml", extra={"precision": "fp32"})
+    (output_dir / "summary.json").write_text(json.dumps({"steps": 2}))
+    assert find_trained(output_dir).path == output_dir  # as new as checkpoints/step-000002: the final model
+
+    exported = export(output_dir, tmp_path / "final")
+    assert sorted(p.name for p in exported.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(exported)), logits(run.model))
+
+    run.train_steps(2)  # as a resumed run preempted at step 4: its checkpoint is newer than the final model
+    assert find_trained(output_dir).path.name == "step-000004"
+    exported = export(output_dir, tmp_path / "newer")
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(exported)), logits(run.model))
+
+
+@pytest.mark.slow  # a training run in a subprocess
+def test_export_after_a_run_with_the_default_save_every_0(tmp_path):
+    """The run saved no checkpoint, only its final adapter: export takes that, as is or merged."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    output_dir = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "finetune", "--method", "lora", "--max-steps", "2", "--micro-batch-size", "4",
+                    "--max-eval-examples", "4", "--num-samples", "0", "--output-dir", str(output_dir)],
+                   check=True, capture_output=True, timeout=300)
+    assert not (output_dir / "checkpoints").exists()
+
+    assert cli(["export", str(output_dir), "--out", str(tmp_path / "adapter")]) == 0
+    saved, exported = load_file(output_dir / "adapter_model.safetensors"), load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+
+    assert cli(["export", str(output_dir), "--out", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(output_dir / "base_model"), output_dir)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged), logits(trained), atol=1e-5, rtol=1e-5)
 
 
 def test_plan_shards_groups_in_order_under_the_limit():

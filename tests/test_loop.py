@@ -1,21 +1,24 @@
-"""The loop's contracts: token-weighted loss over the optimizer step, one LR step per update,
-whole accumulation windows, and resumable progress."""
+"""The loop's contracts: token-weighted loss over the optimizer step, one LR step and one optimizer
+step per update (also across epoch ends), whole accumulation windows, resumable progress, and an LR
+schedule that a resume with another --max-steps continues smoothly.
+
+Every Accelerator here comes from `strategies.build_accelerator`, as in a run."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import GradientAccumulationPlugin
-from conftest import tiny_llama
+from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
 from finetune import loop
 from finetune.data import Collator
 from finetune.metrics import MetricsRecorder, read_metrics
-from finetune.optim import lr_multiplier
+from finetune.config import TrainConfig
+from finetune.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
+from finetune.run import resolve
+from finetune.strategies import build_accelerator
 
 PAD = 0
 
@@ -36,20 +39,26 @@ def variable_length_examples(n: int = 8, seed: int = 0) -> list[dict]:
 pad_collate = Collator(SimpleNamespace(pad_token_id=PAD))
 
 
+def prepared(output_dir, micro_batch_size: int, accumulation: int, model, make_optimizer, examples: list[dict]):
+    """Accelerator (built as a run builds it), model, optimizer and loader, prepared."""
+    reset_accelerate()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    run, _ = resolve(TrainConfig(output_dir=str(output_dir), micro_batch_size=micro_batch_size,
+                                 gradient_accumulation_steps=accumulation))
+    accelerator = build_accelerator(run)
+    optimizer = make_optimizer(model.parameters())
+    loader = DataLoader(examples, batch_size=micro_batch_size, collate_fn=pad_collate)
+    return accelerator, *accelerator.prepare(model, optimizer, loader)
+
+
 def one_sgd_update(tmp_path, micro_batch_size: int, accumulation: int):
     """Run one optimizer update with SGD(lr=1), so the weight change is minus the gradient (float64
     keeps the subtraction exact enough to compare gradients of 1e-4 on weights of 1)."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-        num_steps=accumulation, sync_with_dataloader=False))
     model = tiny_llama(seed=0).double()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    accelerator, model, optimizer, loader = prepared(tmp_path, micro_batch_size, accumulation, model,
+                                                     lambda params: torch.optim.SGD(params, lr=1.0), variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    tmp_path.mkdir()
-    loader = DataLoader(variable_length_examples(), batch_size=micro_batch_size, collate_fn=pad_collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     metrics = MetricsRecorder(accelerator, tmp_path, max_steps=1, log_every=1)
     loop.train(accelerator, model, optimizer, scheduler, loader, progress=loop.Progress(), max_steps=1,
                max_grad_norm=0.0, metrics=metrics)
@@ -118,13 +127,59 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 
 def test_scheduler_steps_once_per_update_with_accumulation(tmp_path):
     """With 4 micro-batches per update, 2 updates must advance the LR schedule by exactly 2."""
-    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_with_dataloader=False))
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    accelerator, model, optimizer, loader = prepared(tmp_path, 1, 4, tiny_llama(), lambda params: torch.optim.SGD(params, lr=1.0),
+                                                     variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-    loader = DataLoader(variable_length_examples(), batch_size=1, collate_fn=pad_collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loop.train(accelerator, model, optimizer, scheduler, loader, progress=loop.Progress(), max_steps=2,
                max_grad_norm=1.0, metrics=MetricsRecorder(accelerator, tmp_path, max_steps=2, log_every=1))
     assert scheduler.last_epoch == 2
     assert [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 0.5]
+
+
+def adamw_steps(optimizer) -> set[int]:
+    """AdamW's own count of the steps it took, over all its parameters."""
+    return {int(state["step"]) for state in optimizer.optimizer.state.values()}
+
+
+def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path):
+    """8 examples at micro 2 × accumulation 2: 2 updates per epoch, so 5 updates pass two epoch ends.
+    The loop collects each window before its first forward, so in an epoch's last window the
+    dataloader has already ended; that must not make every micro-batch of the window step."""
+    accelerator, model, optimizer, loader = prepared(tmp_path, 2, 2, tiny_llama(), lambda params: torch.optim.AdamW(params),
+                                                     variable_length_examples())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    progress = loop.Progress()
+    loop.train(accelerator, model, optimizer, scheduler, loader, progress=progress, max_steps=5, max_grad_norm=1.0,
+               metrics=MetricsRecorder(accelerator, tmp_path, max_steps=5, log_every=1))
+    assert (progress.step, progress.epoch) == (5, 2)
+    assert adamw_steps(optimizer) == {5}
+
+
+def test_lr_schedule_continued_to_a_new_end_keeps_the_resume_lr_and_ends_at_the_floor():
+    original = LRSchedule(warmup_steps=4, max_steps=20, schedule="cosine", min_lr_ratio=0.1)
+    before = [original(step) for step in range(21)]
+    for new_end in (40, 14):  # extended, shortened
+        schedule = LRSchedule(warmup_steps=4, max_steps=20, schedule="cosine", min_lr_ratio=0.1)
+        schedule.continue_to(new_end, step=10)
+        after = [schedule(step) for step in range(new_end + 1)]
+        assert after[10] == before[10]  # the LR of the first resumed update is the original schedule's
+        assert all(a > b for a, b in zip(after[10:], after[11:])) and abs(after[new_end] - 0.1) < 1e-12
+    schedule.continue_to(30, step=12)  # a second resume goes on from wherever the first left it
+    assert schedule(12) == after[12] and abs(schedule(30) - 0.1) < 1e-12
+    during_warmup = LRSchedule(warmup_steps=4, max_steps=20, schedule="linear", min_lr_ratio=0.1)
+    during_warmup.continue_to(40, step=2)  # still warming up: simply the schedule of a 40-step run
+    assert [during_warmup(step) for step in range(41)] == [lr_multiplier(step, warmup_steps=4, max_steps=40, schedule="linear",
+                                                                          min_lr_ratio=0.1) for step in range(41)]
+
+
+def test_lr_schedule_travels_in_the_scheduler_state():
+    """A resumed LambdaLR gets the schedule it was saved with, whatever this run built."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    config = TrainConfig(warmup_steps=2)
+    saved = build_scheduler(config, optimizer, max_steps=10)
+    saved.lr_lambdas[0].continue_to(30, step=6)
+    resumed = build_scheduler(config, optimizer, max_steps=50)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.lr_lambdas[0] == saved.lr_lambdas[0]
+    assert continue_schedule(resumed, 30, step=8) is None
+    assert "--max-steps 30 → 50" in continue_schedule(resumed, 50, step=8)

@@ -8,14 +8,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from conftest import REPO
 
 from finetune import preflight, slurm
 from finetune.config import TrainConfig
 from finetune.rehearse import write_shrunk_model
 from finetune.strategies import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 

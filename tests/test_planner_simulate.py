@@ -1,55 +1,64 @@
-"""The analytic per-GPU peak stays within 10 % of one simulated training step on fake tensors
-(MemTracker on one device, FSDPMemTracker on a fake process group for FSDP2).
+"""The analytic per-GPU peak stays within 10 % of two simulated micro-steps of the same run on fake
+tensors (MemTracker on one device, FSDPMemTracker on a fake process group for FSDP2), where the
+simulated model and optimizer are the trainer's own construction.
 
-Real catalog shapes cut to 2–4 layers keep each simulation to seconds. FSDP cases use SGD:
-FSDPMemTracker counts AdamW states of DTensor shards several times over under fake tensors.
+Real catalog shapes cut to 2–4 layers (written as local config.json folders, which `--model`
+accepts) keep each simulation to seconds.
 """
 
+from __future__ import annotations
+
+import json
 from dataclasses import replace
 
 import pytest
 
 from finetune.catalog import gpus, models
+from finetune.config import TrainConfig
+from finetune.errors import FinetuneError
 from finetune.planner.memory import estimate
-from finetune.planner.workload import Workload
+from finetune.planner.simulate import simulate
+from finetune.planner.workload import from_run
+from finetune.resolved import Device, Launch, resolve_run
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-
-def shrunk(name: str, layers: int, **overrides) -> Workload:
-    fields = dict(model=replace(models.get(name), num_layers=layers), gpu=gpus.get("H100"), gpus_per_node=1,
-                  method="full", strategy="single", offload="none", precision="bf16-true", optimizer="adamw",
-                  micro_batch_size=1, seq_len=1024, gradient_checkpointing=False)
-    fields.update(overrides)
-    return Workload(**fields)
+H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
 
 
-CASES = {
-    "full 7B-shape": shrunk("llama-7b", 2),
-    "full bf16-mixed 1B-shape": shrunk("llama-3.2-1b", 4, seq_len=512, micro_batch_size=2, precision="bf16-mixed"),
-    "lora all-linear": shrunk("llama-7b", 2, method="lora", seq_len=2048),
-    "lora checkpointing": shrunk("llama-7b", 2, method="lora", seq_len=2048, gradient_checkpointing=True),
-    "lora q,v on qwen2.5": shrunk("qwen2.5-7b", 2, method="lora", lora_targets="q_proj,v_proj"),
-    "fsdp2 2 ranks": shrunk("llama-7b", 4, strategy="fsdp", gpus_per_node=2, optimizer="sgd"),
-    "fsdp2 8 ranks seq 2048": shrunk("llama-7b", 4, strategy="fsdp", gpus_per_node=8, optimizer="sgd", seq_len=2048),
-    "fsdp2 lora 4 ranks": shrunk("llama-7b", 4, strategy="fsdp", gpus_per_node=4, optimizer="sgd", method="lora", seq_len=2048),
+def shrunk_model(directory, name: str, layers: int) -> str:
+    spec = replace(models.get(name), num_layers=layers)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
+    return str(directory)
+
+
+CASES = {  # name → (catalog shape, layers, training flags, processes under FSDP or 1)
+    "full bf16-true 7B-shape": ("llama-7b", 2, dict(precision="bf16-true", max_seq_len=1024), 1),
+    "full bf16-mixed 1B-shape": ("llama-3.2-1b", 4, dict(max_seq_len=512, micro_batch_size=2), 1),
+    "lora all-linear": ("llama-7b", 2, dict(method="lora", max_seq_len=2048), 1),
+    "lora checkpointing": ("llama-7b", 2, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True), 1),
+    "lora q,v on qwen2.5": ("qwen2.5-7b", 2, dict(method="lora", lora_targets="q_proj,v_proj", max_seq_len=1024), 1),
+    "fsdp2 full 2 ranks": ("llama-7b", 4, dict(max_seq_len=1024), 2),
+    "fsdp2 full 8 ranks seq 2048": ("llama-7b", 4, dict(max_seq_len=2048), 8),
+    "fsdp2 lora 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048), 4),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_analytic_peak_within_10_percent_of_simulation(name):
-    from finetune.planner.simulate import simulate
+def test_analytic_peak_within_10_percent_of_simulation(name, tmp_path):
+    shape, layers, flags, processes = CASES[name]
+    config = TrainConfig(model=shrunk_model(tmp_path / "model", shape, layers), micro_batch_size=flags.pop("micro_batch_size", 1),
+                         **flags)
+    launch = Launch(world_size=processes, fsdp=True, fsdp_cpu_ram_efficient_loading=True) if processes > 1 else Launch()
+    run = resolve_run(config, launch, H100)
+    simulated = simulate(run).peak_bytes
+    assert estimate(from_run(run, gpus.get("H100"))).allocated == pytest.approx(simulated, rel=0.10)
 
-    w = CASES[name]
-    simulated = simulate(w).peak_bytes
-    assert estimate(w).allocated == pytest.approx(simulated, rel=0.10)
 
-
-def test_simulate_refuses_qlora_clearly():
-    from finetune.errors import FinetuneError
-    from finetune.planner.simulate import simulate
-
+def test_simulate_refuses_what_cannot_run_on_fake_tensors(tmp_path):
+    model = shrunk_model(tmp_path / "model", "llama-7b", 2)
     with pytest.raises(FinetuneError, match="4-bit"):
-        simulate(shrunk("llama-7b", 2, method="qlora"))
+        simulate(resolve_run(TrainConfig(model=model, method="qlora"), Launch(), H100))
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(FinetuneError, match="not ZeRO-3"):
+        simulate(resolve_run(TrainConfig(model=model, deepspeed=str(zero3)), Launch(world_size=2), H100))

@@ -3,25 +3,28 @@
 A run stopped by SIGUSR1 at step k (the preemption path) and resumed with `--resume auto` must
 reproduce the uninterrupted run's losses and final weights bitwise, with LoRA dropout on (so the
 RNG state matters) and shuffled data over several epochs (so the data position matters), for a
-stop in the middle of an epoch and one at an epoch boundary.
+stop in the middle of an epoch and one at an epoch boundary. A resume that changes --max-steps
+(through the CLI, as a user's run) continues the LR schedule from the LR it stopped at.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import pytest
 import torch
 from accelerate.utils import set_seed
-from conftest import tiny_llama
+from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
-from finetune import loop
+from finetune import cli, loop
 from finetune.checkpointing import Checkpointer
 from finetune.config import TrainConfig, scaled_lr
 from finetune.metrics import MetricsRecorder, read_metrics
-from finetune.optim import build_optimizer, build_scheduler
+from finetune.optim import LRSchedule, build_optimizer, build_scheduler
+from finetune.run import resolve
 from finetune.strategies import build_accelerator
 
 STEPS = 7  # 12 examples / (micro 2 × accumulation 2) = 3 updates per epoch: stops at 2 and 3, end in epoch 3
@@ -41,15 +44,14 @@ def collate(rows: list[dict]) -> dict:
 def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> tuple[list[float], dict]:
     """One run of STEPS updates (or until SIGUSR1 sent after update `stop_at`); returns the losses
     this process logged and the final trainable weights."""
-    from accelerate.state import AcceleratorState, GradientState
     from peft import LoraConfig, get_peft_model
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     config = TrainConfig(output_dir=str(output_dir), method="lora", lora_dropout=0.1, micro_batch_size=2,
                          gradient_accumulation_steps=2, max_steps=STEPS, warmup_steps=2, log_every=1,
                          save_every=100, resume=resume)
-    accelerator, batch = build_accelerator(config)
+    run, _ = resolve(config)
+    accelerator, batch = build_accelerator(run), run.batch
     set_seed(0)
     model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
     optimizer = build_optimizer(config, model, scaled_lr(config, batch.global_batch_size))
@@ -58,7 +60,7 @@ def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = loop.Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
-    checkpointer = Checkpointer(accelerator, config)
+    checkpointer = Checkpointer(accelerator, run, model)
     try:
         checkpointer.resume()
         metrics = MetricsRecorder(accelerator, output_dir, STEPS, log_every=1, start_step=progress.step)
@@ -100,3 +102,30 @@ def test_preempted_and_resumed_run_equals_uninterrupted_run(tmp_path, reference,
     assert all_losses == reference_losses  # bitwise
     for name, value in weights.items():
         assert torch.equal(value, reference_weights[name]), name
+
+
+def test_resume_with_more_steps_continues_the_lr_schedule_from_where_it_stopped(tmp_path, capsys):
+    """4 updates saved at 2, resumed for 8: update 3 keeps the original schedule's LR, and the decay
+    then runs smoothly down to the floor (0.1 × peak) at the new end."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"{i} plus {i % 5} is {i + i % 5}"}) + "\n" for i in range(24)))
+    flags = ["--dataset", str(rows), "--micro-batch-size", "2", "--warmup-steps", "1", "--log-every", "1",
+             "--max-eval-examples", "0", "--save-every", "2", "--no-save-final"]
+    assert cli.main([*flags, "--max-steps", "4", "--output-dir", str(tmp_path / "first")]) == 0
+    reset_accelerate()
+    assert cli.main([*flags, "--max-steps", "8", "--output-dir", str(tmp_path / "longer"),
+                     "--resume", str(tmp_path / "first" / "checkpoints" / "step-000002")]) == 0
+
+    def lrs(output_dir) -> dict[int, float]:
+        return {r["step"]: r["lr"] for r in read_metrics(output_dir / "metrics.jsonl")}
+
+    original, longer = lrs(tmp_path / "first"), lrs(tmp_path / "longer")
+    peak = original[2]  # the first update after 1 warmup update
+    assert sorted(longer) == list(range(3, 9))
+    assert longer[3] == original[3] < peak
+    continued = LRSchedule(warmup_steps=1, max_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    continued.continue_to(8, step=2)
+    for step, lr in longer.items():  # update k runs at the factor after k - 1 updates
+        assert lr == pytest.approx(peak * continued(step - 1), rel=1e-12), step
+    assert continued(8) == pytest.approx(0.1) and all(a > b for a, b in zip(list(longer.values()), list(longer.values())[1:]))
+    assert "LR schedule: --max-steps 4 → 8; the decay continues from step 2" in capsys.readouterr().out

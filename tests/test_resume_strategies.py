@@ -1,11 +1,17 @@
-"""Exact resume, kill -9 safety and export round trips for every strategy, through the real CLI:
-`accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2 -m finetune ...` on 2
-CPU processes (gloo).
+"""Exact resume, crash safety and export round trips for every strategy the planner can recommend,
+through the real CLI: `accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2
+-m finetune ...` on 2 CPU processes (gloo); and one optimizer step per update across epoch ends.
 
-For each strategy × method, one uninterrupted run of 4 updates saves at steps 2 and 4; a second
-run resumes from the first one's step-2 checkpoint in a fresh process and output dir. Its losses
-for steps 3-4 must equal the uninterrupted ones bitwise, and both step-4 checkpoints must export
-to identical weights, which reproduce the logits of the model the run saved at the end.
+Two ways in, sharing their runs with the other tests here:
+- `--resume PATH` (RESUME_CASES): an uninterrupted run of 4 updates saves at steps 2 and 4; a second
+  run resumes from its step-2 checkpoint in a fresh process and output dir. Its losses for steps 3-4
+  must equal the uninterrupted ones bitwise, and both step-4 checkpoints must export to identical
+  weights.
+- a crash mid-save, then `--resume auto` (INTERRUPTED, full fine-tuning on 2 processes): the run is
+  killed with SIGKILL while rank 1 is still inside the save of step 4, or rank 1's disk fills up
+  there. It logged steps 1-4 uninterrupted before the save; the rerun in the same output dir must
+  pass over the unfinished step-4 folder, resume from step 2 and log the same steps 3-4 bitwise.
+Either way the final step-4 checkpoint exports to the model the run saved at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 import torch
 from safetensors.torch import load_file
 
@@ -27,41 +34,51 @@ from finetune.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process runs: CI's second step
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # accelerate config per strategy; "single" runs `python -m finetune` without a launcher
     "single": None,
     "ddp": "accelerate_configs/ddp.yaml",
     "fsdp2": "accelerate_configs/fsdp.yaml",
+    "fsdp2_offload": "accelerate_configs/fsdp_offload.yaml",
+    "zero1": "accelerate_configs/deepspeed_zero1.yaml",
     "zero2": "accelerate_configs/deepspeed_zero2.yaml",
     "zero3": "accelerate_configs/deepspeed_zero3.yaml",
+    "zero3_offload": "accelerate_configs/deepspeed_zero3_offload.yaml",
 }
+QLORA_CONFIGS = {"fsdp2": "accelerate_configs/fsdp_qlora.yaml"}  # what the planner recommends for FSDP + QLoRA
 STEPS = 4
 RUN = ["--model", "tiny", "--max-steps", str(STEPS), "--save-every", "2", "--micro-batch-size", "2",
        "--gradient-accumulation-steps", "2", "--log-every", "1", "--warmup-steps", "1", "--max-seq-len", "64",
-       "--max-eval-examples", "8", "--num-samples", "0"]
+       "--max-eval-examples", "0"]
 METHODS = {"full": [], "lora": ["--method", "lora", "--lora-r", "4", "--lora-dropout", "0.1"],
            "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"]}
-CASES = [(strategy, method) for strategy in CONFIGS for method in ("full", "lora")] + [("single", "qlora")]
+RESUME_CASES = [("single", "full"), ("single", "lora"), ("single", "qlora"), ("ddp", "lora"), ("fsdp2", "lora"),
+                ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora")]
+INTERRUPTED = {"ddp": "kill -9", "fsdp2": "kill -9", "zero1": "kill -9", "zero2": "kill -9", "zero3": "kill -9",
+               "fsdp2_offload": "disk full", "zero3_offload": "disk full"}
 TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
 
 
-def launch_command(strategy: str, *flags: str) -> list[str]:
+def launch_command(strategy: str, *flags: str, method: str = "full", program: tuple[str, ...] = ("-m", "finetune")) -> list[str]:
+    """The command a user types for `strategy` (and `method`), running `program` with RUN and `flags`."""
+    flags = (*RUN, *METHODS[method], *flags)
     if CONFIGS[strategy] is None:
-        return [sys.executable, "-m", "finetune", *RUN, *flags]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / CONFIGS[strategy]),
-            "--num_processes", "2", "--main_process_port", "0", "-m", "finetune", *RUN, *flags]
+        return [sys.executable, *program, *flags]
+    config = QLORA_CONFIGS.get(strategy) if method == "qlora" else None
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / (config or CONFIGS[strategy])),
+            "--num_processes", "2", "--main_process_port", "0", *program, *flags]
 
 
-def finetune(strategy: str, *flags: str) -> subprocess.CompletedProcess:
-    command = launch_command(strategy, *flags)
-    job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, text=True,
+def finetune(strategy: str, *flags: str, method: str = "full", env: dict | None = None,
+             program: tuple[str, ...] = ("-m", "finetune"), expect_exit: int = 0) -> subprocess.CompletedProcess:
+    command = launch_command(strategy, *flags, method=method, program=program)
+    job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})}, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = job.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         kill_job(job, flags[flags.index("--output-dir") + 1])
         raise
-    assert job.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert job.returncode == expect_exit, stdout[-2000:] + stderr[-4000:]
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
@@ -89,8 +106,13 @@ def processes_of(output_dir: str) -> dict[int, dict[str, str]]:
     return found
 
 
+def logged_losses(output_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) in the order the runs in `output_dir` logged them (a resumed run appends)."""
+    return [(r["step"], r["loss"]) for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+
+
 def losses(output_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
+    return dict(logged_losses(output_dir))
 
 
 def exported_tensors(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -125,6 +147,19 @@ def logits_of(folder: Path, method: str, base: Path | None = None) -> torch.Tens
         return model(input_ids=TOKENS).logits
 
 
+def check_export_round_trip(output_dir: Path, method: str, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Export the run's step-4 checkpoint: it must reproduce the model the run saved at the end
+    (and, merged, the same logits up to rounding). Returns the exported tensors."""
+    exported = exported_tensors(output_dir / "checkpoints" / "step-000004", tmp_path / "export")
+    base = output_dir / "base_model"
+    trained = logits_of(output_dir, method, base)
+    assert torch.equal(logits_of(tmp_path / "export", method, base), trained)
+    if method != "full":  # merged into the (dequantized, for QLoRA) base: W + BA vs Wx + B(Ax), rounding only
+        export(output_dir / "checkpoints" / "step-000004", tmp_path / "merged", merge_lora=True)
+        torch.testing.assert_close(logits_of(tmp_path / "merged", "full"), trained, atol=1e-4, rtol=1e-4)
+    return exported
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """strategy, method → output dir of its uninterrupted run (run once, shared by the tests)."""
@@ -133,97 +168,130 @@ def uninterrupted(tmp_path_factory):
     def get(strategy: str, method: str) -> Path:
         if (strategy, method) not in runs:
             out = tmp_path_factory.mktemp(f"{strategy}-{method}")
-            finetune(strategy, *METHODS[method], "--output-dir", str(out))
+            finetune(strategy, "--output-dir", str(out), method=method)
             runs[strategy, method] = out
         return runs[strategy, method]
 
     return get
 
 
-@pytest.mark.parametrize(("strategy", "method"), CASES, ids=[f"{s}-{m}" for s, m in CASES])
+@pytest.mark.parametrize(("strategy", "method"), RESUME_CASES, ids=[f"{s}-{m}" for s, m in RESUME_CASES])
 def test_resume_is_exact_and_exports_round_trip(tmp_path, uninterrupted, strategy, method):
     reference = uninterrupted(strategy, method)
-    step2, step4 = (reference / "checkpoints" / f"step-00000{s}" for s in (2, 4))
+    step2 = reference / "checkpoints" / "step-000002"
     manifest = json.loads((step2 / "manifest.json").read_text())
     assert (manifest["world_size"], manifest["strategy"], manifest["step"]) == (1 if strategy == "single" else 2, strategy, 2)
 
     resumed = tmp_path / "resumed"
-    finetune(strategy, *METHODS[method], "--output-dir", str(resumed), "--resume", str(step2))
+    finetune(strategy, "--output-dir", str(resumed), "--resume", str(step2), method=method)
     expected = losses(reference)
     assert sorted(expected) == [1, 2, 3, 4] and len(set(expected.values())) == 4
     assert losses(resumed) == {3: expected[3], 4: expected[4]}  # bitwise
 
-    ours = exported_tensors(step4, tmp_path / "export-reference")
+    ours = check_export_round_trip(reference, method, tmp_path / "reference")
     theirs = exported_tensors(resumed / "checkpoints" / "step-000004", tmp_path / "export-resumed")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    # the export reproduces the model the run itself saved at the end
-    base = reference / "base_model"
-    trained = logits_of(reference, method, base)
-    assert torch.equal(logits_of(tmp_path / "export-reference", method, base), trained)
-    if method != "full":  # merged into the (dequantized, for QLoRA) base: W + BA vs Wx + B(Ax), rounding only
-        export(step4, tmp_path / "merged", merge_lora=True)
-        torch.testing.assert_close(logits_of(tmp_path / "merged", "full"), trained, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
-def test_sharded_checkpoints_split_the_model_between_ranks(uninterrupted, strategy):
-    """No rank gathers the full model to save: each rank writes about half of the weights."""
-    step2 = uninterrupted(strategy, "full") / "checkpoints" / "step-000002"
-    files = {f["path"]: f["bytes"] for f in json.loads((step2 / "manifest.json").read_text())["files"]}
-    pattern = "pytorch_model_fsdp_0/__{}_0.distcp" if strategy == "fsdp2" else "pytorch_model/zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-    rank0, rank1 = files[pattern.format(0)], files[pattern.format(1)]
-    model_bytes = sum(t.numel() * 4 for t in load_file(uninterrupted(strategy, "full") / "model.safetensors").values())
-    assert abs(rank0 - rank1) < 0.1 * rank0
-    assert rank0 < 0.75 * model_bytes * (1 if strategy == "fsdp2" else 3)  # ZeRO-3 also holds 2 Adam moments
-
-
-def test_resume_on_another_world_size_is_refused(tmp_path, uninterrupted):
-    step2 = uninterrupted("ddp", "full") / "checkpoints" / "step-000002"
-    result = subprocess.run([sys.executable, "-m", "finetune", *RUN, "--output-dir", str(tmp_path), "--resume", str(step2)],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "world_size: checkpoint 2, this run 1" in result.stderr and "strategy: checkpoint 'ddp', this run 'single'" in result.stderr
-
-
-SLOW_SAVE = """
+FAULT_IN_SAVE_OF_STEP_4 = """
 import os
 if os.environ.get("RANK") == "1":
     import time
+    from pathlib import Path
+
     from accelerate import Accelerator
 
     save_state = Accelerator.save_state
 
-    def save_state_then_hang(self, output_dir=None, **kwargs):
+    def save_state_with_fault(self, output_dir=None, **kwargs):
+        if "step-000004" not in str(output_dir):
+            return save_state(self, output_dir, **kwargs)
+        if os.environ["FINETUNE_TEST_FAULT"] == "disk full":  # a few bytes written, then no space left
+            (Path(output_dir) / "partial_rank1").write_bytes(b"x")
+            raise OSError(28, "No space left on device")
         result = save_state(self, output_dir, **kwargs)
-        if "step-000004" in str(output_dir):
-            time.sleep(600)  # rank 1 is "still writing" step 4 when the test kills the job
+        time.sleep(600)  # kill -9: rank 1 is "still writing" step 4 when the test kills the job
         return result
 
-    Accelerator.save_state = save_state_then_hang
+    Accelerator.save_state = save_state_with_fault
 """
 
 
-def test_kill_9_mid_save_then_resume_auto_completes_exactly(tmp_path, uninterrupted):
-    hook = tmp_path / "hook"
+def crash_mid_save_then_resume(strategy: str, fault: str, workdir: Path) -> tuple[Path, str, str]:
+    """Run until rank 1 is inside the save of step 4 and `fault` strikes it there, then rerun the
+    same command with --resume auto. Returns the output dir and what the two runs printed."""
+    hook = workdir / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_SAVE)
-    out = tmp_path / "run"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    job = subprocess.Popen(launch_command("ddp", "--output-dir", str(out)), cwd=REPO, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    staging = out / "checkpoints" / "step-000004.incomplete"
-    deadline = time.monotonic() + 300
-    while not (staging / "random_states_1.pkl").exists():  # every rank has written its files of step 4
-        assert job.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
-        time.sleep(0.2)
-    kill_job(job, str(out))
+    (hook / "sitecustomize.py").write_text(FAULT_IN_SAVE_OF_STEP_4)
+    out = workdir / "run"
+    env = {"FINETUNE_TEST_FAULT": fault, "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if fault == "disk full":  # rank 1 stops with our message; the launcher then stops rank 0
+        crashed = finetune(strategy, "--output-dir", str(out), env=env, expect_exit=1)
+        printed = crashed.stdout + crashed.stderr
+    else:
+        job = subprocess.Popen(launch_command(strategy, "--output-dir", str(out)), cwd=REPO,
+                               env={**os.environ, "DS_ACCELERATOR": "cpu", **env},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        staging = out / "checkpoints" / "step-000004.incomplete"
+        deadline = time.monotonic() + 300
+        while not (staging / "random_states_1.pkl").exists():  # every rank has written its files of step 4
+            assert job.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
+            time.sleep(0.2)
+        kill_job(job, str(out))
+        printed = ""
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004.incomplete"]
+    resumed = finetune(strategy, "--output-dir", str(out), "--resume", "auto")
+    return out, printed, resumed.stdout + resumed.stderr
 
-    result = finetune("ddp", "--output-dir", str(out), "--resume", "auto")
-    assert "step-000002" in result.stdout + result.stderr
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """strategy → (output dir, crashed run's output, resumed run's output), each run once and shared."""
+    runs = {}
+
+    def get(strategy: str) -> tuple[Path, str, str]:
+        if strategy not in runs:
+            runs[strategy] = crash_mid_save_then_resume(strategy, INTERRUPTED[strategy], tmp_path_factory.mktemp(strategy))
+        return runs[strategy]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", list(INTERRUPTED), ids=[f"{s}-{f.replace(' ', '-')}" for s, f in INTERRUPTED.items()])
+def test_crash_mid_save_then_resume_auto_is_exact(tmp_path, interrupted, strategy):
+    out, crashed, resumed = interrupted(strategy)
+    if INTERRUPTED[strategy] == "disk full":
+        assert ("step-000004 failed on rank 1: [Errno 28] No space left on device. "
+                "The newest complete checkpoint is still step-000002") in crashed
+    assert "ignoring step-000004.incomplete: a save that never finished" in resumed
+    assert f"resumed from {out / 'checkpoints' / 'step-000002'} at step 2" in resumed
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
-    expected = losses(uninterrupted("ddp", "full"))
-    assert losses(out) == expected  # steps 1-2 from before the kill, 3-4 after the resume: all bitwise
+    manifest = json.loads((out / "checkpoints" / "step-000004" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["strategy"]) == (2, strategy.removesuffix("_offload"))
+    logged = logged_losses(out)  # steps 1-4 before the crash, then 3-4 again after the resume
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4] and len({loss for _, loss in logged}) == 4
+    assert logged[4:] == logged[2:4]  # bitwise
+    check_export_round_trip(out, "full", tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_sharded_checkpoints_split_the_model_between_ranks(interrupted, strategy):
+    """No rank gathers the full model to save: each rank writes about half of the weights."""
+    out = interrupted(strategy)[0]
+    files = {f["path"]: f["bytes"] for f in json.loads((out / "checkpoints" / "step-000002" / "manifest.json").read_text())["files"]}
+    pattern = "pytorch_model_fsdp_0/__{}_0.distcp" if strategy == "fsdp2" else "pytorch_model/zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    rank0, rank1 = files[pattern.format(0)], files[pattern.format(1)]
+    model_bytes = sum(t.numel() * 4 for t in load_file(out / "model.safetensors").values())
+    assert abs(rank0 - rank1) < 0.1 * rank0
+    assert rank0 < 0.75 * model_bytes * (1 if strategy == "fsdp2" else 3)  # ZeRO-3 also holds 2 Adam moments
+
+
+def test_resume_on_another_world_size_is_refused(tmp_path, interrupted):
+    step2 = interrupted("ddp")[0] / "checkpoints" / "step-000002"
+    result = subprocess.run([sys.executable, "-m", "finetune", *RUN, "--output-dir", str(tmp_path), "--resume", str(step2)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "world_size: checkpoint 2, this run 1" in result.stderr and "strategy: checkpoint 'ddp', this run 'single'" in result.stderr
 
 
 @pytest.mark.parametrize(("strategy", "signum"), [("single", signal.SIGTERM), ("ddp", signal.SIGUSR1)])
@@ -250,3 +318,49 @@ def test_preemption_signal_saves_and_exits_0(tmp_path, strategy, signum):
     step = json.loads((checkpoint / "manifest.json").read_text())["step"]
     assert checkpoint.name == f"step-{step:06d}" and 1 <= step < 500 and max(losses(out)) == step
     assert "--resume auto" in output
+
+
+COUNT_OPTIMIZER_STEPS = """
+import json, os, sys
+
+import torch
+
+from finetune import cli, loop
+
+train = loop.train
+
+
+def train_and_count(accelerator, model, optimizer, *args, progress, **kwargs):
+    train(accelerator, model, optimizer, *args, progress=progress, **kwargs)
+    adamw = optimizer
+    while not isinstance(adamw, torch.optim.AdamW):  # Accelerate's wrapper, then DeepSpeed's ZeRO optimizer
+        adamw = adamw.optimizer
+    counts = {"updates": progress.step, "epoch": progress.epoch,
+              "adamw": sorted({int(state["step"]) for state in adamw.state.values()}),
+              "deepspeed": getattr(model, "global_steps", None)}
+    output_dir = sys.argv[sys.argv.index("--output-dir") + 1]
+    with open(os.path.join(output_dir, f"optimizer_steps_rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+loop.train = train_and_count
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path, strategy):
+    """16 training rows at 2 ranks × micro 2 × accumulation 2: 2 updates per epoch, so 5 updates
+    pass two epoch ends. The run is the CLI's, with the loop wrapped to read, once it returns, how
+    many steps AdamW (and DeepSpeed's engine) took on each rank."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"{i} times 3 is {3 * i}"}) + "\n" for i in range(17)))  # 1 held out
+    driver = tmp_path / "count_optimizer_steps.py"
+    driver.write_text(COUNT_OPTIMIZER_STEPS)
+    out = tmp_path / "out"
+    finetune(strategy, "--dataset", str(rows), "--max-steps", "5", "--save-every", "0", "--no-save-final",
+             "--output-dir", str(out), program=(str(driver),))
+    for rank in (0, 1):
+        counts = json.loads((out / f"optimizer_steps_rank{rank}.json").read_text())
+        assert (counts["updates"], counts["epoch"], counts["adamw"]) == (5, 2, [5]), rank
+        assert counts["deepspeed"] == (5 if strategy.startswith("zero") else None), rank

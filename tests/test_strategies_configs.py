@@ -5,9 +5,9 @@ same way). Training with each of them is in test_strategies_distributed.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 import yaml
 
 from finetune import deepspeed_json
@@ -16,7 +16,6 @@ from finetune.config import BatchShape, TrainConfig
 from finetune.planner.choose import Request, plan
 from finetune.planner.launch import accelerate_config, deepspeed_config
 
-REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ["single_gpu", "ddp", "fsdp", "fsdp_offload", "fsdp_qlora", "deepspeed_zero1", "deepspeed_zero2",
                       "deepspeed_zero3", "deepspeed_zero3_offload", "multi_node"]
 DS_CONFIGS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
@@ -71,11 +70,11 @@ def test_accelerate_config_is_annotated_and_loads(name):
 def test_accelerate_config_agrees_with_the_planner(name):
     shipped, _ = load_accelerate_config(name)
     emitted = accelerate_config(planned(name))
-    for key in ("distributed_type", "mixed_precision", "main_training_function", "use_cpu"):
+    for key in ("distributed_type", "main_training_function", "use_cpu"):
         assert shipped.get(key, emitted[key]) == emitted[key], key
+    assert "mixed_precision" not in shipped and "mixed_precision" not in emitted  # --precision decides it
     if "fsdp_config" in emitted:
-        planner_only = {"fsdp_transformer_layer_cls_to_wrap"}  # the planner names it; shipped files read it from the model
-        assert shipped["fsdp_config"] == {k: v for k, v in emitted["fsdp_config"].items() if k not in planner_only}
+        assert shipped["fsdp_config"] == emitted["fsdp_config"]
     if "deepspeed_config" in emitted:
         assert shipped["deepspeed_config"]["zero3_init_flag"] == emitted["deepspeed_config"]["zero3_init_flag"]
 
@@ -89,7 +88,7 @@ def test_ds_config_agrees_with_the_planner_after_resolution(name):
     shipped, _ = load_accelerate_config(name)
     config = TrainConfig(micro_batch_size=w.micro_batch_size, gradient_accumulation_steps=w.gradient_accumulation_steps)
     run = deepspeed_json.RunValues.from_config(config, BatchShape(w.micro_batch_size, w.gradient_accumulation_steps,
-                                                                  w.world_size), "bf16", 1e-4, w.model.hidden_size)
+                                                                  w.world_size), w.precision, 1e-4, w.model.hidden_size)
     ours, _ = deepspeed_json.resolve(deepspeed_json.load(REPO / shipped["deepspeed_config"]["deepspeed_config_file"]),
                                      name, run)
     theirs, _ = deepspeed_json.resolve(deepspeed_config(chosen), "ds_config.json", run)

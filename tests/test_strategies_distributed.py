@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+import yaml
 
 from finetune import rehearse
-from finetune.config import parse_config
+from finetune.config import parse_command
 from finetune.strategies import free_port
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 # name → (accelerate config, training flags); `tiny` is shrunk like any catalog model
@@ -41,12 +42,12 @@ REHEARSALS = {
     "zero3_lora": ("deepspeed_zero3.yaml", ["--method", "lora"]),
     "zero3_qlora": ("deepspeed_zero3.yaml", ["--method", "qlora"]),
 }
-STRATEGY = {"single": "single process on cpu", "ddp": "DDP on cpu (gloo)", "multi_node": "DDP on cpu (gloo)",
-            "fsdp": "FSDP2 on cpu (gloo)", "fsdp_offload": "FSDP2 on cpu (gloo)", "fsdp_lora": "FSDP2 on cpu (gloo)",
-            "fsdp_qlora": "FSDP2 on cpu (gloo)", "zero1": "DeepSpeed ZeRO-1 on cpu (gloo)",
-            "zero2": "DeepSpeed ZeRO-2 on cpu (gloo)", "zero2_offload_json": "DeepSpeed ZeRO-2 on cpu (gloo)",
-            "zero3": "DeepSpeed ZeRO-3 on cpu (gloo)", "zero3_offload": "DeepSpeed ZeRO-3 on cpu (gloo)",
-            "zero3_lora": "DeepSpeed ZeRO-3 on cpu (gloo)", "zero3_qlora": "DeepSpeed ZeRO-3 on cpu (gloo)"}
+ONE, TWO = "on cpu, 1 process(es)", "on cpu, 2 process(es)"
+STRATEGY = {"single": f"single device {ONE}", "ddp": f"DDP {TWO}", "multi_node": f"DDP {TWO}",
+            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
+            "fsdp_qlora": f"FSDP2 {TWO}", "zero1": f"ZeRO-1 {TWO}", "zero2": f"ZeRO-2 {TWO}",
+            "zero2_offload_json": f"ZeRO-2 {TWO}", "zero3": f"ZeRO-3 {TWO}", "zero3_offload": f"ZeRO-3 {TWO}",
+            "zero3_lora": f"ZeRO-3 {TWO}", "zero3_qlora": f"ZeRO-3 {TWO}"}
 FULL_FINE_TUNING = [name for name, (_, flags) in REHEARSALS.items() if "--method" not in flags]
 
 
@@ -59,8 +60,9 @@ def rehearsed(tmp_path_factory):
         if name not in results:
             accelerate_config, flags = REHEARSALS[name]
             workdir = tmp_path_factory.mktemp(name)
-            results[name] = rehearse.rehearse(parse_config(["--model", "tiny", *flags]),
-                                              str(REPO / "accelerate_configs" / accelerate_config), workdir, steps=STEPS)
+            command = parse_command(["--model", "tiny", *flags])
+            results[name] = rehearse.rehearse(command.config, str(REPO / "accelerate_configs" / accelerate_config),
+                                              workdir, steps=STEPS, given=command.given)
         return results[name]
 
     return run
@@ -80,6 +82,46 @@ def test_shipped_config_rehearses_on_cpu(name, rehearsed):
         resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
         assert (resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"],
                 resolved["train_batch_size"]) == (2, 2, 8)
+
+
+def rehearse_json(tmp_path: Path, ds_json: dict) -> tuple[rehearse.Rehearsal, dict]:
+    """`finetune rehearse --config_file ddp.yaml --model tiny --deepspeed X.json` as a user types it;
+    the rehearsal and the run.yaml its training processes read."""
+    (tmp_path / "user.json").write_text(json.dumps(ds_json))
+    command = parse_command(["--model", "tiny", "--deepspeed", str(tmp_path / "user.json")])
+    result = rehearse.rehearse(command.config, str(REPO / "accelerate_configs" / "ddp.yaml"), tmp_path / "w",
+                               steps=STEPS, given=command.given)
+    assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
+    return result, yaml.safe_load((Path(result.output_dir) / "run.yaml").read_text())
+
+
+def test_a_minimal_deepspeed_json_trains_on_2_processes(tmp_path):
+    """Issue 12: `{"zero_optimization": {"stage": 1}}` alone used to stop inside DeepSpeed for want
+    of a batch size; every run-owned key is filled from the run."""
+    result, _ = rehearse_json(tmp_path, {"zero_optimization": {"stage": 1}})
+    assert result.strategy == f"ZeRO-1 {TWO}" and result.losses[-1] < result.losses[0]
+    resolved = json.loads((Path(result.output_dir) / "deepspeed_config.json").read_text())
+    assert {key: resolved[key] for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                           "train_batch_size", "gradient_clipping", "bf16", "fp16")} == {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+        "gradient_clipping": 1.0, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def test_an_hf_trainer_deepspeed_json_trains_with_its_own_optimizer_and_schedule(tmp_path):
+    """Issue 12: a WarmupDecayLR / AdamW file as written for the HF Trainer, no flags: the run adopts
+    its LR, betas, eps, weight decay and linear decay to 0 (the rehearsal shortens warmup and length)."""
+    hf = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": 5, "total_num_steps": 40}},
+          "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"},
+          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    result, run_yaml = rehearse_json(tmp_path, hf)
+    assert result.strategy == f"ZeRO-2 {TWO}"
+    assert (run_yaml["lr_schedule"], run_yaml["min_lr_ratio"], run_yaml["adam_beta2"], run_yaml["adam_epsilon"],
+            run_yaml["weight_decay"]) == ("linear", 0.0, 0.999, 1e-6, 0.01)
+    # warmup 1 and 3 updates in the rehearsal: peak/2, peak, then half way down a linear decay to 0
+    assert result.lrs == pytest.approx([1.5e-3, 3e-3, 1.5e-3], rel=1e-9)
+    assert any("scheduler.params.total_num_steps (real run 40, rehearsal 3)" in note for note in result.notes)
 
 
 def retrain(command: list[str], out: Path) -> rehearse.Rehearsal:
@@ -125,10 +167,11 @@ from transformers import AutoModelForCausalLM
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from finetune.config import TrainConfig
 from finetune.rehearse import shrunk_model_config
+from finetune.run import resolve
 from finetune.strategies import build_accelerator
 
-accelerator, batch = build_accelerator(TrainConfig(model="tiny", micro_batch_size=2, deepspeed=sys.argv[1],
-                                                   output_dir=sys.argv[2]))
+run, _ = resolve(TrainConfig(model="tiny", micro_batch_size=2, deepspeed=sys.argv[1], output_dir=sys.argv[2]))
+accelerator = build_accelerator(run)
 model = AutoModelForCausalLM.from_config(shrunk_model_config(TrainConfig(model="tiny"))[0])
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 rows = [torch.arange(8) for _ in range(8)]

@@ -26,30 +26,46 @@ class GPUSpec:
     interconnect: str  # "NVLink", "Infinity Fabric" or "PCIe": what links GPUs inside one node
     link_gb_per_s: float  # GPU-to-GPU bandwidth per direction inside a node, GB/s
     usd_per_hour: float  # typical on-demand price of one GPU, USD
+    host_gib_per_gpu: float  # host RAM that comes with each GPU in its usual instance (see HOST_RAM_SOURCES)
     aliases: tuple[str, ...] = ()
 
 
 _CATALOG: tuple[GPUSpec, ...] = (
-    GPUSpec("A100-40GB", 40.0, 312, True, "NVLink", 300, 1.29, ("a100-40g", "a100-sxm4-40gb", "a100 40gb")),
-    GPUSpec("A100-80GB", 80.0, 312, True, "NVLink", 300, 1.79, ("a100-80g", "a100-sxm4-80gb", "a100 80gb")),
-    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, ("h100", "h100-sxm", "h100-80g", "h100-sxm5")),
-    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, ("h200-141gb", "h200-sxm")),
-    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, ("l40s-48gb",)),
-    GPUSpec("A10G", 22.5, 70, True, "PCIe", 16, 1.01, ("a10g-24gb",)),
-    GPUSpec("L4", 22.5, 121, True, "PCIe", 32, 0.80, ("l4-24gb",)),
-    GPUSpec("RTX3090", 24.0, 71, True, "PCIe", 16, 0.22, ("rtx-3090", "3090", "geforce-rtx-3090")),
-    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, ("rtx-4090", "4090", "geforce-rtx-4090")),
-    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, ("rtx-6000-ada", "rtx6000ada", "6000-ada")),
-    GPUSpec("V100-16GB", 15.8, 125, False, "NVLink", 150, 0.60, ("v100-16g", "v100-sxm2-16gb")),
-    GPUSpec("V100-32GB", 31.7, 125, False, "NVLink", 150, 0.80, ("v100-32g", "v100-sxm2-32gb")),
-    GPUSpec("T4", 15.0, 65, False, "PCIe", 8, 0.35, ("t4-16gb", "tesla-t4")),
-    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, ("mi300x-192gb", "mi300")),
+    GPUSpec("A100-40GB", 40.0, 312, True, "NVLink", 300, 1.29, 144, ("a100-40g", "a100-sxm4-40gb", "a100 40gb")),
+    GPUSpec("A100-80GB", 80.0, 312, True, "NVLink", 300, 1.79, 144, ("a100-80g", "a100-sxm4-80gb", "a100 80gb")),
+    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, 256, ("h100", "h100-sxm", "h100-80g", "h100-sxm5")),
+    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, 256, ("h200-141gb", "h200-sxm")),
+    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, 192, ("l40s-48gb",)),
+    GPUSpec("A10G", 22.5, 70, True, "PCIe", 16, 1.01, 96, ("a10g-24gb",)),
+    GPUSpec("L4", 22.5, 121, True, "PCIe", 32, 0.80, 96, ("l4-24gb",)),
+    GPUSpec("RTX3090", 24.0, 71, True, "PCIe", 16, 0.22, 64, ("rtx-3090", "3090", "geforce-rtx-3090")),
+    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, 64, ("rtx-4090", "4090", "geforce-rtx-4090")),
+    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, 128, ("rtx-6000-ada", "rtx6000ada", "6000-ada")),
+    GPUSpec("V100-16GB", 15.8, 125, False, "NVLink", 150, 0.60, 61, ("v100-16g", "v100-sxm2-16gb")),
+    GPUSpec("V100-32GB", 31.7, 125, False, "NVLink", 150, 0.80, 96, ("v100-32g", "v100-sxm2-32gb")),
+    GPUSpec("T4", 15.0, 65, False, "PCIe", 8, 0.35, 48, ("t4-16gb", "tesla-t4")),
+    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi300x-192gb", "mi300")),
 )
 
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}
+# Where `host_gib_per_gpu` comes from: host RAM ÷ GPUs of the usual 8-GPU (or largest) cloud instance,
+# or of a typical workstation for desktop cards. Real hosts vary; `finetune plan --host-memory` overrides.
+HOST_RAM_SOURCES = {
+    "A100-40GB": "AWS p4d.24xlarge: 1152 GiB / 8", "A100-80GB": "AWS p4de.24xlarge: 1152 GiB / 8",
+    "H100-80GB": "AWS p5.48xlarge: 2048 GiB / 8", "H200": "AWS p5e.48xlarge: 2048 GiB / 8",
+    "L40S": "AWS g6e.48xlarge: 1536 GiB / 8", "A10G": "AWS g5.48xlarge: 768 GiB / 8", "L4": "AWS g6.48xlarge: 768 GiB / 8",
+    "RTX3090": "a 2-GPU workstation with 128 GiB", "RTX4090": "a 2-GPU workstation with 128 GiB",
+    "RTX6000-Ada": "a 4-GPU workstation with 512 GiB", "V100-16GB": "AWS p3.16xlarge: 488 GiB / 8",
+    "V100-32GB": "AWS p3dn.24xlarge: 768 GiB / 8", "T4": "AWS g4dn.12xlarge: 192 GiB / 4",
+    "MI300X": "Azure ND MI300X v5: 2048 GiB / 8",
+}
 
 # Bare names that cover more than one catalog entry: the user must say which memory size.
 AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB"), "v100": ("V100-16GB", "V100-32GB")}
+
+
+# a size a user writes ('24GB') and what the card reports (22.5 GiB for an L4) differ by this much
+SAME_SIZE_GIB = 1.5
 
 
 class UnknownGPUError(FinetuneError):
@@ -80,8 +96,9 @@ def lookup(name: str) -> GPUSpec | None:
     return GPUS[found] if found else None
 
 
-def get(name: str) -> GPUSpec:
-    """Like `lookup`, but raises UnknownGPUError naming close catalog entries."""
+def get(name: str, memory_gib: float | None = None) -> GPUSpec:
+    """Like `lookup`, but raises UnknownGPUError naming close catalog entries (those with about
+    `memory_gib` of memory first, when the user gave a size)."""
     spec = lookup(name)
     if spec is not None:
         return spec
@@ -90,5 +107,22 @@ def get(name: str) -> GPUSpec:
         raise UnknownGPUError(f"'{name}' comes in several sizes: say which, e.g. {' or '.join(AMBIGUOUS[key])}.")
     close = difflib.get_close_matches(key, list(spellings()), n=6, cutoff=0.5)
     names = sorted({spellings()[c] for c in close})
+    if memory_gib is not None:
+        names = sorted(names, key=lambda n: abs(GPUS[n].memory_gib - memory_gib) > SAME_SIZE_GIB)
     hint = f" Did you mean: {', '.join(names)}?" if names else ""
     raise UnknownGPUError(f"Unknown GPU '{name}'.{hint} Catalog: {', '.join(GPUS)}.")
+
+
+def identify(device_name: str, memory_gib: float) -> GPUSpec | None:
+    """The catalog entry for a device as CUDA reports it ('NVIDIA H100 80GB HBM3',
+    'NVIDIA A100-SXM4-40GB', 'Tesla T4'): the longest catalog spelling inside the name, the memory
+    size closest to `memory_gib` among entries spelled alike; None for GPUs not in the catalog."""
+    device = squash(device_name)
+    found = [(len(key), -abs(GPUS[name].memory_gib - memory_gib), name)
+             for key, name in spellings().items() if len(key) > 1 and key in device]
+    return GPUS[max(found)[2]] if found else None
+
+
+def same_size(memory_gib: float) -> list[str]:
+    """Catalog GPUs with about `memory_gib` of memory."""
+    return [g.name for g in _CATALOG if abs(g.memory_gib - memory_gib) <= SAME_SIZE_GIB]

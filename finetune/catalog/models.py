@@ -7,7 +7,9 @@ the weights. Numbers are the fields of the source `config.json` named in `source
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from finetune.errors import FinetuneError
 
@@ -188,3 +190,43 @@ def get(name: str) -> ModelSpec:
     if spec is None:
         raise unknown_model_error(name)
     return spec
+
+
+# file endings no Hub id has: a --model with one is a path
+FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".yaml", ".yml", ".txt", ".safetensors", ".bin", ".pt",
+                 ".gguf")
+
+
+def looks_like_path(name: str) -> bool:
+    """True for names only a local path would have ('./x', '~/x', '/x', 'a/b/c', 'data.jsonl'), as
+    opposed to a catalog name or a Hub id (org/name)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(FILE_SUFFIXES)
+
+
+# config.json files are a few kB; anything this large is something else
+MAX_CONFIG_BYTES = 10**7
+
+
+def read_local_config(path: Path, accepted: str) -> dict:
+    """The config.json a local `--model` path names: `path` itself, or `path`/config.json for a
+    directory. `accepted` lists what --model takes, for the error.
+
+    Raises UnknownModelError when there is no such file, or it is not a model config (not JSON, not
+    an object, no `model_type`), e.g. a dataset file passed by mistake.
+    """
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UnknownModelError(f"--model {path}: a directory without config.json. Expected {accepted}.")
+    if file.stat().st_size > MAX_CONFIG_BYTES:  # weights or data passed by mistake: do not read gigabytes
+        raise UnknownModelError(
+            f"--model {path}: {file.stat().st_size:,} bytes is no model config.json. Expected {accepted}."
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnknownModelError(f"--model {path}: {file.name} is not a model config.json ({e}). Expected {accepted}.") from e
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UnknownModelError(
+            f"--model {path}: {file.name} is not a model config.json (no \"model_type\"). Expected {accepted}."
+        )
+    return config

@@ -4,6 +4,7 @@ Layout under `<output_dir>/checkpoints/`:
 
     step-000200/               complete: Accelerate's state + hf/ (model config, tokenizer) + manifest.json
     step-000300.incomplete/    being written, or left by a crash; never resumed from, removed by rotation
+    step-000400/               damaged, if it fails the manifest check: named by --resume auto, never removed
 
 A save goes: every rank writes its part of `accelerator.save_state` into `step-N.incomplete/` (under
 FSDP/ZeRO each rank writes only its shards) → all ranks done → the main process writes
@@ -18,7 +19,7 @@ unpickle some files with `weights_only=False`; see `unsafe_pickle_globals`).
 """
 
 from finetune.checkpointing.checkpointer import Checkpointer
-from finetune.checkpointing.identity import resume_identity, strategy_name
+from finetune.checkpointing.identity import resume_identity
 from finetune.checkpointing.layout import (
     HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, incompleteness,
     read_manifest, step_dir_name,
@@ -27,6 +28,6 @@ from finetune.checkpointing.safety import unsafe_pickle_globals
 
 __all__ = [
     "HF_DIR", "MANIFEST", "CheckpointError", "Checkpointer", "checkpoints_dir", "complete_checkpoints",
-    "find_checkpoint", "incompleteness", "read_manifest", "resume_identity", "step_dir_name", "strategy_name",
+    "find_checkpoint", "incompleteness", "read_manifest", "resume_identity", "step_dir_name",
     "unsafe_pickle_globals",
 ]

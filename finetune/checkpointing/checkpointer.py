@@ -9,23 +9,31 @@ import shutil
 import signal
 import time
 from collections import OrderedDict
-from importlib import metadata
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
 
-from finetune.checkpointing.identity import identity_differences, resume_identity, strategy_name
+from finetune.checkpointing.identity import identity_differences, resume_identity
 from finetune.checkpointing.layout import (
-    FORMAT_VERSION, HF_DIR, INCOMPLETE, MANIFEST, STEP_DIR, CheckpointError, checkpoints_dir, complete_checkpoints,
-    find_checkpoint, incompleteness, read_manifest, step_dir_name,
+    FORMAT_VERSION, HF_DIR, INCOMPLETE, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint,
+    incompleteness, read_manifest, step_dir_name, step_of, take_inventory,
 )
 from finetune.checkpointing.safety import unsafe_pickle_globals
-from finetune.config import TrainConfig
+from finetune.preflight import package_versions
+from finetune.resolved import ResolvedRun
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
+    from finetune.loop import Progress
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm sends these before killing a job
-PACKAGES = ("finetune", "torch", "accelerate", "transformers", "peft", "bitsandbytes", "deepspeed", "safetensors")
 
 
 class Checkpointer:
@@ -34,9 +42,12 @@ class Checkpointer:
     Every method that takes part in a save is called on all ranks at the same point of the loop.
     """
 
-    def __init__(self, accelerator, config: TrainConfig, manifest_extra: dict | None = None, tokenizer=None):
+    def __init__(self, accelerator: Accelerator, run: ResolvedRun, model: torch.nn.Module,
+                 manifest_extra: dict | None = None, tokenizer: PreTrainedTokenizerBase | None = None):
         self.accelerator = accelerator
-        self.config = config
+        self.run = run
+        self.model = model  # as prepared; save_state/load_state reach it through the accelerator
+        self.config = config = run.config
         self.manifest_extra = manifest_extra or {}
         self.tokenizer = tokenizer
         self.directory = checkpoints_dir(config.output_dir)
@@ -54,7 +65,7 @@ class Checkpointer:
 
     # -- preemption
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal_received = signum
 
     def close(self) -> None:
@@ -80,10 +91,28 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, progress) -> Path:
-        """Write a complete checkpoint of the current state (see the module docstring); returns it."""
-        accelerator = self.accelerator
+    def save(self, progress: Progress) -> Path:
+        """Write a complete checkpoint of the current state (see the module docstring); returns it.
+
+        Raises CheckpointError when writing fails on this rank (a full disk, a lost mount): the
+        checkpoints already there are untouched, and the message says which one a resume would use.
+        """
         final = self.directory / step_dir_name(progress.step)
+        try:
+            self._write(progress, final)
+        except OSError as e:
+            newest = complete_checkpoints(self.directory)
+            raise CheckpointError(
+                f"Saving {final} failed on rank {self.accelerator.process_index}: {e}. "
+                + (f"The newest complete checkpoint is still {newest[-1].name}" if newest else "No checkpoint is complete yet")
+                + "; free space (or fix the filesystem), then rerun the same command with --resume auto."
+            ) from e
+        self.last_saved_step = progress.step
+        return final
+
+    def _write(self, progress: Progress, final: Path) -> None:
+        """Every rank's part into `final`.incomplete, then (main process) manifest, publish, rotate."""
+        accelerator = self.accelerator
         staging = final.with_name(final.name + INCOMPLETE)
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt at this same step
@@ -96,13 +125,13 @@ class Checkpointer:
         if accelerator.is_main_process:
             self._write_hf_files(staging / HF_DIR)
             manifest = self._manifest(progress, staging)
-            _write_durably(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             _fsync_tree(staging)
-            _publish(staging, final)
+            kept = _publish(staging, final)
+            if kept is not None:
+                accelerator.print(f"{final.name} already existed but was damaged; kept it as {kept.name}")
             self._rotate()
         accelerator.wait_for_everyone()
-        self.last_saved_step = progress.step
-        return final
 
     @property
     def _trainable_only(self) -> bool:
@@ -111,7 +140,7 @@ class Checkpointer:
         return self.config.method != "full" and self.accelerator.distributed_type != DistributedType.FSDP
 
     def _write_hf_files(self, directory: Path) -> None:
-        model = self.accelerator.unwrap_model(self.accelerator._models[0])
+        model = self.accelerator.unwrap_model(self.model)
         directory.mkdir()
         if hasattr(model, "peft_config"):
             model.peft_config["default"].save_pretrained(directory)
@@ -124,55 +153,57 @@ class Checkpointer:
 
     def _base_model(self) -> str | None:
         """Where the pretrained weights came from (absolute if local): LoRA export merges into them."""
-        model = self.accelerator.unwrap_model(self.accelerator._models[0])
+        model = self.accelerator.unwrap_model(self.model)
         if hasattr(model, "peft_config"):
             source = model.peft_config["default"].base_model_name_or_path
         else:
             source = getattr(model.config, "_name_or_path", None)
         return str(Path(source).resolve()) if source and Path(source).is_dir() else source or None
 
-    def _manifest(self, progress, folder: Path) -> dict:
+    def _manifest(self, progress: Progress, folder: Path) -> dict:
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         return {
             "format_version": FORMAT_VERSION,
             **progress.state_dict(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world_size": self.accelerator.num_processes,
-            "strategy": strategy_name(self.accelerator),
+            "strategy": self.run.strategy.name,
             "model_weights": "trainable" if self._trainable_only else "all",
             "base_model": self._base_model(),
-            "identity": resume_identity(self.config, self.accelerator),
+            "identity": resume_identity(self.run),
             "config": self.config.to_dict(),
             "run": self.manifest_extra,
-            "versions": _package_versions(),
+            "versions": package_versions(),
             "files": [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in files],
         }
 
     def _rotate(self) -> None:
-        """Remove incomplete leftovers, then all but the newest `keep_last` complete checkpoints.
-        The newest complete checkpoint is never removed (keep_last ≥ 1, or 0 = keep all)."""
-        for leftover in self.directory.iterdir():
-            match = STEP_DIR.match(leftover.name)
-            if leftover.name.endswith(INCOMPLETE) or (match and incompleteness(leftover)):
-                _remove(leftover)
+        """Remove unfinished saves, then all but the newest `keep_last` complete checkpoints. The
+        newest complete checkpoint is never removed (keep_last ≥ 1, or 0 = keep all), nor is a
+        damaged one: it may be the only copy of its work, so only the user deletes it."""
+        found = take_inventory(self.directory)
+        for leftover in found.unfinished:
+            _remove(leftover)
         if self.keep_last > 0:
-            for old in complete_checkpoints(self.directory)[: -self.keep_last]:
+            for old in found.complete[: -self.keep_last]:
                 _remove(old)
 
     # -- resuming
 
     def resume(self) -> Path | None:
         """Load the checkpoint `config.resume` names ('auto': newest complete one in the output dir,
-        or a fresh start if there is none; else a checkpoint or output dir path). Returns it, or None.
+        or a fresh start if there is no checkpoint at all; else a checkpoint or output dir path).
+        Returns it, or None. 'auto' names every damaged or unfinished checkpoint it passes over.
 
         Raises CheckpointError when the checkpoint does not match this run (listing every difference),
-        holds unsafe pickles, or when a fresh run would mix its checkpoints with an earlier run's.
+        holds unsafe pickles, when 'auto' finds checkpoints but none complete, or when a fresh run
+        would mix its checkpoints with an earlier run's.
         """
         source = self._resume_source()
         if source is None:
             return None
         manifest = read_manifest(source)
-        differences = identity_differences(manifest["identity"], resume_identity(self.config, self.accelerator))
+        differences = identity_differences(manifest["identity"], resume_identity(self.run))
         if differences:
             raise CheckpointError(
                 f"Cannot resume from {source}: it was saved by a different run configuration:\n  - "
@@ -197,18 +228,30 @@ class Checkpointer:
 
     def _resume_source(self) -> Path | None:
         resume = self.config.resume
+        if resume not in (None, "auto"):
+            return find_checkpoint(resume)
+        found = take_inventory(self.directory)
         if resume is None:
-            existing = complete_checkpoints(self.directory)
+            existing = sorted(found.complete + [path for path, _ in found.damaged], key=step_of)
             if existing:
                 raise CheckpointError(
                     f"{self.config.output_dir} already holds checkpoints of an earlier run (newest: {existing[-1].name}). "
                     "Continue it with --resume auto, or use another --output-dir."
                 )
             return None
-        if resume == "auto":
-            candidates = complete_checkpoints(self.directory)
-            return candidates[-1] if candidates else None
-        return find_checkpoint(resume)
+        say = self.accelerator.print
+        for path in found.unfinished:
+            say(f"ignoring {path.name}: a save that never finished (the run stopped while writing it)")
+        for path, problem in found.damaged:
+            say(f"checkpoint {path.name} is damaged, not resuming from it: {problem}")
+        if found.complete:
+            newest = found.complete[-1]
+            if found.damaged and step_of(found.damaged[-1][0]) > step_of(newest):
+                say(f"resuming from {newest.name}, the newest complete checkpoint; the damaged ones stay as they are")
+            return newest
+        if found.damaged:
+            raise CheckpointError(none_complete_message(self.directory, found.damaged))
+        return None
 
     def _load_kwargs(self, manifest: dict) -> dict:
         if manifest["model_weights"] != "trainable":
@@ -221,20 +264,19 @@ class Checkpointer:
         """An adapter-only weights file must hold exactly this model's trainable parameters."""
         from safetensors import safe_open
 
-        for i, model in enumerate(self.accelerator._models):
-            path = source / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
-            if not path.is_file():
-                continue
-            with safe_open(str(path), "pt") as f:
-                saved = set(f.keys())
-            wanted = {name for name, p in model.named_parameters() if p.requires_grad}
-            if saved != wanted:
-                missing, extra = sorted(wanted - saved)[:3], sorted(saved - wanted)[:3]
-                raise CheckpointError(
-                    f"{path} does not hold this model's trainable weights (missing e.g. {missing}, unexpected e.g. {extra})."
-                )
+        path = source / "model.safetensors"
+        if not path.is_file():
+            return
+        with safe_open(str(path), "pt") as f:
+            saved = set(f.keys())
+        wanted = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        if saved != wanted:
+            missing, extra = sorted(wanted - saved)[:3], sorted(saved - wanted)[:3]
+            raise CheckpointError(
+                f"{path} does not hold this model's trainable weights (missing e.g. {missing}, unexpected e.g. {extra})."
+            )
 
-    def with_rng_restored(self, batches):
+    def with_rng_restored(self, batches: Iterable) -> Iterable:
         """`batches`, with the checkpoint's RNG state put back once their iterator exists.
 
         Creating a DataLoader iterator draws from the global torch RNG, which the uninterrupted run
@@ -245,7 +287,7 @@ class Checkpointer:
             return batches
         return self._restoring(batches)
 
-    def _restoring(self, batches):
+    def _restoring(self, batches: Iterable) -> Iterator:
         iterator = iter(batches)
         end = object()
         first = next(iterator, end)  # DataLoader iterators are created lazily, on the first next()
@@ -259,7 +301,18 @@ class Checkpointer:
 # ---------------------------------------------------------------- helpers
 
 
-def _keep_trainable_weights(models, weights, output_dir) -> None:
+def none_complete_message(directory: Path, damaged: list[tuple[Path, str]]) -> str:
+    listing = "\n".join(f"  - {path.name}: {problem}" for path, problem in damaged)
+    return (
+        f"--resume auto: {directory} holds checkpoints, but none is complete:\n{listing}\n"
+        "Nothing was changed, and the run did not start from scratch over them. Choose one:\n"
+        f"  - fix: put back the files that differ from each folder's {MANIFEST} (from a backup or copy), then rerun;\n"
+        f"  - delete: `rm -r {' '.join(str(path) for path, _ in damaged)}`, then rerun (it starts from step 0);\n"
+        "  - start over explicitly in another --output-dir, leaving these folders as they are."
+    )
+
+
+def _keep_trainable_weights(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
     """Save-state hook: drop frozen parameters (the base model under LoRA) from each state dict."""
     for i, (model, state) in enumerate(zip(models, weights)):
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -285,44 +338,35 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
-def _package_versions() -> dict[str, str]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _fsync_tree(folder: Path) -> None:
-    """Flush every file and folder under `folder` to disk, so the rename below never publishes a
-    checkpoint whose data is still only in the page cache."""
+    """Flush every file and folder under `folder` (the manifest included) to disk, so the rename
+    below never publishes a checkpoint whose data is still only in the page cache."""
     for path in sorted(folder.rglob("*"), reverse=True) + [folder]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
 
 
-def _publish(staging: Path, final: Path) -> None:
-    """Rename `staging` to `final` atomically; an existing `final` is moved aside first."""
-    if final.exists():
-        final.rename(final.with_name(final.name + ".replaced" + INCOMPLETE))
-    staging.rename(final)
-    fd = os.open(final.parent, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _publish(staging: Path, final: Path) -> Path | None:
+    """Rename `staging` to `final` atomically. An existing `final` is moved aside first: if complete,
+    to `*.replaced.incomplete` (rotation removes it); if damaged, to `*.damaged-<time>`, which nothing
+    removes (it may hold the only copy of some work). Returns where a damaged one went, else None."""
+    kept = None
+    if final.exists():
+        if incompleteness(final) is None:
+            final.rename(final.with_name(final.name + ".replaced" + INCOMPLETE))
+        else:
+            kept = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+            final.rename(kept)
+    staging.rename(final)
+    _fsync(final.parent)  # the rename itself
+    return kept
 
 
 def _remove(path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.errors import FinetuneError
@@ -53,27 +54,59 @@ def incompleteness(checkpoint: Path) -> str | None:
     return None
 
 
+@dataclass
+class Inventory:
+    """What a checkpoints folder holds, each list oldest first."""
+
+    complete: list[Path] = field(default_factory=list)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # step-N folders that fail the manifest check, and why
+    unfinished: list[Path] = field(default_factory=list)  # *.incomplete: saves that never finished (crash, kill, full disk)
+
+
+def step_of(checkpoint: Path) -> int:
+    """N of a `step-N` folder."""
+    return int(STEP_DIR.match(checkpoint.name).group(1))
+
+
+def take_inventory(directory: Path) -> Inventory:
+    """Sort the `step-N` folders of `directory` into complete and damaged, and list unfinished saves."""
+    found = Inventory()
+    if not directory.is_dir():
+        return found
+    for path in sorted((p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=step_of):
+        problem = incompleteness(path)
+        if problem is None:
+            found.complete.append(path)
+        else:
+            found.damaged.append((path, problem))
+    found.unfinished = sorted(p for p in directory.iterdir() if p.name.endswith(INCOMPLETE))
+    return found
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete `step-N` folders in `directory`, oldest first."""
-    found = []
-    for path in directory.glob("step-*") if directory.is_dir() else ():
-        match = STEP_DIR.match(path.name)
-        if match and path.is_dir() and incompleteness(path) is None:
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+    return take_inventory(directory).complete
 
 
 def find_checkpoint(path: str | Path) -> Path:
     """`path` itself if it is a checkpoint folder, else the newest complete checkpoint of the output
-    dir `path`. Raises CheckpointError (saying what was found instead) when there is none."""
+    dir `path`. Raises CheckpointError (saying what was found instead) when there is none, or when a
+    newer one is damaged: only `--resume auto` passes over damaged checkpoints, and it says so."""
     path = Path(path)
     if (path / MANIFEST).is_file() or STEP_DIR.match(path.name):
         read_manifest(path)
         return path
-    candidates = complete_checkpoints(checkpoints_dir(path))
-    if not candidates:
+    found = take_inventory(checkpoints_dir(path))
+    damaged = "".join(f"\n  - {checkpoint.name} is damaged: {problem}" for checkpoint, problem in found.damaged)
+    if not found.complete:
         raise CheckpointError(
             f"No complete checkpoint in {path}: expected {checkpoints_dir(path)}/step-NNNNNN/{MANIFEST}, "
-            "or a checkpoint folder itself."
+            f"or a checkpoint folder itself.{damaged}"
         )
-    return candidates[-1]
+    newest = found.complete[-1]
+    if found.damaged and step_of(found.damaged[-1][0]) > step_of(newest):
+        raise CheckpointError(
+            f"The newest checkpoints in {path} are damaged:{damaged}\nName the checkpoint to use instead "
+            f"(the newest complete one is {newest}), or fix or delete the damaged ones."
+        )
+    return newest

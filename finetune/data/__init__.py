@@ -1,5 +1,6 @@
 """Training data: rows from a source, checked against their format, split into train and eval,
-tokenized with the prompt masked, truncated, optionally packed, and collated into padded batches.
+tokenized with the prompt masked, truncated, optionally packed, cached on disk, and collated into
+padded batches.
 
     data = prepare_data(config, tokenizer)
     DataLoader(data.train, collate_fn=Collator(tokenizer), ...)
@@ -7,19 +8,28 @@ tokenized with the prompt masked, truncated, optionally packed, and collated int
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 
 from finetune.config import TrainConfig
+from finetune.data import cache
 from finetune.data.builtin import BUILTIN_DIR
 from finetune.data.collate import Collator
-from finetune.data.formats import check_rows, detect_format, encode, expected_answer, has_target, prompt_ids
+from finetune.data.formats import (
+    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, expected_answer, has_target, id_columns, prompt_ids,
+)
 from finetune.data.packing import pack
 from finetune.data.sources import load_splits, split_eval
 from finetune.errors import FinetuneError
 
 __all__ = ["BUILTIN_DIR", "Collator", "PreparedData", "prepare_data"]
+
+# Rows per tokenizing process when --dataset-num-proc is unset: below this, starting a process and
+# shipping it the tokenizer costs more than it saves (bench/data_prep.py).
+ROWS_PER_PROCESS = 20_000
 
 
 @dataclass
@@ -30,18 +40,43 @@ class PreparedData:
     # {"prompt_ids": ids generation starts from, exactly as in training; "prompt": their text;
     #  "expected": the answer to compare the greedy completion with}
     eval_prompts: list[dict]
-    format: str  # alpaca, chat or text: as given by --format, or detected from the columns
+    format: str  # alpaca, chat, sharegpt or text: as given by --format, or detected from the columns
+    cache_entry: Path | None = None  # the cache folder train and eval are read from; None without a cache
+    reused: bool = False  # found in the cache, rather than tokenized by this call
+
+    @property
+    def origin(self) -> str:
+        if self.cache_entry is None:
+            return "tokenized in memory (--data-cache none)"
+        return f"{'reused from' if self.reused else 'tokenized into'} {self.cache_entry}"
 
 
 def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
     """Load `config.dataset`, check every row against its format, hold out the eval rows (at most
     `config.max_eval_examples`), tokenize, and pack train if `config.packing`. Deterministic for a
-    given config (the held-out rows depend on `config.seed`).
+    given config (the held-out rows depend on `config.seed`). The result is cached (see cache.py):
+    a later call with the same rows, tokenizer and options reads it back instead of tokenizing.
 
     Raises FinetuneError for a missing or unreadable source, an unknown split, a row that does not
-    fit the format (naming the row and the fields it has), or a tokenizer that cannot render it.
+    fit the format (naming the row and the fields it has), a tokenizer that cannot render it, or a
+    cache directory that cannot be written.
     """
     splits = load_splits(config.dataset)
+    root = cache.cache_root(config.data_cache)
+    if root is None:
+        return _prepare(splits, config, tokenizer)
+    entry = root / cache.fingerprint(config, splits, tokenizer)
+    reused = cache.exists(entry)
+    if not reused:
+        data = _prepare(splits, config, tokenizer)
+        meta = {"format": data.format, "eval_prompts": data.eval_prompts}
+        cache.write(entry, datasets.DatasetDict(train=data.train, eval=data.eval), meta)
+    tables, meta = cache.read(entry)
+    return PreparedData(train=tables["train"], eval=tables["eval"], eval_prompts=meta["eval_prompts"],
+                        format=meta["format"], cache_entry=entry, reused=reused)
+
+
+def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:
     train_rows, eval_rows = split_eval(splits, config.eval_split, config.seed, config.dataset)
     fmt = detect_format(train_rows.column_names, config.dataset) if config.format == "auto" else config.format
     check_rows(splits["train"], fmt, config.dataset)
@@ -70,7 +105,7 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
 def _check_tokenizer(tokenizer, fmt: str) -> None:
     if tokenizer.eos_token_id is None:
         raise FinetuneError("The tokenizer has no EOS token: responses need one so generation knows where to stop.")
-    if fmt == "chat" and not tokenizer.chat_template:
+    if fmt in CONVERSATION_KEYS and not tokenizer.chat_template:
         raise FinetuneError(
             "Chat rows are rendered with the tokenizer's chat template, and this tokenizer has none. "
             "Use a chat model's tokenizer, or convert the data to the alpaca format."
@@ -79,15 +114,25 @@ def _check_tokenizer(tokenizer, fmt: str) -> None:
 
 def _encode_batch(batch: dict[str, list], fmt: str, tokenizer, train_on_prompt: bool, max_seq_len: int) -> dict:
     """Encode rows, dropping those that truncation left with nothing to learn."""
-    encoded = [encode(dict(zip(batch, values)), fmt, tokenizer, train_on_prompt, max_seq_len) for values in zip(*batch.values())]
+    encoded = encode(batch_rows(batch), fmt, tokenizer, train_on_prompt, max_seq_len)
     kept = [example for example in encoded if has_target(example["labels"])]
     return {"input_ids": [example["input_ids"] for example in kept], "labels": [example["labels"] for example in kept]}
 
 
+def tokenize_processes(setting: int | None, rows: int) -> int:
+    """--dataset-num-proc, or one process per ROWS_PER_PROCESS rows up to the CPUs this process may use."""
+    return setting or max(1, min(len(os.sched_getaffinity(0)), rows // ROWS_PER_PROCESS))
+
+
 def _tokenize(rows: datasets.Dataset, fmt: str, tokenizer, config: TrainConfig) -> datasets.Dataset:
-    # in memory: datasets fingerprints module functions by name, so a cache would outlive code changes
+    features = id_columns("input_ids", "labels")
+    if len(rows) == 0:  # eval off (--max-eval-examples 0): `map` would leave a table without columns
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    processes = tokenize_processes(config.dataset_num_proc, len(rows))
+    # in memory: the cache (cache.py) is what persists, under a name that covers our code too
     return rows.map(
-        _encode_batch, batched=True, remove_columns=rows.column_names, desc=f"tokenizing ({fmt})", keep_in_memory=True,
+        _encode_batch, batched=True, remove_columns=rows.column_names, desc=f"tokenizing ({fmt})",
+        keep_in_memory=True, num_proc=processes if processes > 1 else None, features=features,
         fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "train_on_prompt": config.train_on_prompt,
                    "max_seq_len": config.max_seq_len},
     )

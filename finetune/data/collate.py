@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.data.formats import IGNORE_INDEX
 from finetune.errors import FinetuneError
+from finetune.vocabulary import IGNORE_INDEX
 
 
 class Collator:
@@ -15,6 +15,12 @@ class Collator:
     `position_ids` and no `attention_mask`, since a mask would switch off transformers' detection of
     the example boundaries (see packing.py); their padding gets positions 0, 1, … of its own, so it
     is one more example that nothing attends to and that has no loss.
+
+    Why not transformers' DataCollatorForSeq2Seq for unpacked rows: it pads on the tokenizer's
+    `padding_side`, which is "left" for many chat tokenizers, and without position ids a Llama-family
+    model then gives every left-padded row shifted positions, so a row's loss would depend on its
+    batch mates. This collator pads right for training whatever the tokenizer says (generation pads
+    left on purpose, in loop.greedy_completions), and serves packed rows too.
     """
 
     def __init__(self, tokenizer):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import datasets
 
-from finetune.data.formats import IGNORE_INDEX
+from finetune.data.formats import id_columns
+from finetune.vocabulary import IGNORE_INDEX
 
 PACK_BATCH = 1000  # examples packed together; a row never spans two such batches
 
@@ -35,5 +36,6 @@ def pack(examples: datasets.Dataset, max_seq_len: int) -> datasets.Dataset:
     """Rows of at most max_seq_len tokens (examples are already truncated to it), order kept."""
     return examples.map(
         _pack_batch, batched=True, batch_size=PACK_BATCH, fn_kwargs={"max_seq_len": max_seq_len},
-        remove_columns=examples.column_names, desc="packing", keep_in_memory=True,  # no stale cache: see _tokenize
+        remove_columns=examples.column_names, desc="packing", keep_in_memory=True,  # persisted by cache.py
+        features=id_columns("input_ids", "labels", "position_ids"),
     )

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
+import pyarrow
 from datasets.exceptions import DatasetsError
 
 from finetune.data.builtin import BUILTIN_DIR, DATASET_FILE
 from finetune.errors import FinetuneError
 
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+NO_ROWS_FIX = "Training needs at least one row per split: check the file was written completely, or pass another --dataset."
 
 
 def load_splits(name: str) -> datasets.DatasetDict:
@@ -40,18 +42,63 @@ def load_splits(name: str) -> datasets.DatasetDict:
 
 
 def _load_local(loader: str | Path, shown: str, **kwargs) -> datasets.DatasetDict:
+    """The splits of a local file or directory; every split has rows of valid UTF-8 text."""
     try:
-        return datasets.load_dataset(str(loader), **kwargs)
+        splits = datasets.load_dataset(str(loader), **kwargs)
+    except StopIteration:  # datasets' JSON reader meeting a file without one row
+        empty = [p.name for p in Path(shown).iterdir() if _is_blank(p)] if Path(shown).is_dir() else []
+        raise FinetuneError(f"{shown}: {', '.join(empty) or 'the file'} holds no rows. {NO_ROWS_FIX}") from None
     except (OSError, ValueError, DatasetsError) as e:  # parse errors: name the file, keep the reason
         reason = e.__cause__ or e
+        if "corresponds to no data" in str(reason):  # datasets' words for a split of 0 rows
+            raise FinetuneError(f"{shown} has no rows (only blank lines, a CSV header or empty objects). {NO_ROWS_FIX}") from e
         raise FinetuneError(f"Could not read {shown}: {type(reason).__name__}: {str(reason).splitlines()[0]}") from e
+    for name, split in splits.items():
+        if len(split) == 0:
+            raise FinetuneError(f"{shown}: split '{name}' has no rows. {NO_ROWS_FIX}")
+        _check_utf8(split, shown if len(splits) == 1 else f"{shown} (split {name})")
+    return splits
+
+
+def _is_blank(path: Path) -> bool:
+    """A data file with nothing but whitespace (bigger files are taken to hold rows)."""
+    return path.suffix.lower() in LOCAL_LOADERS and path.stat().st_size < 2**16 and not path.read_bytes().strip()
+
+
+def _check_utf8(split: datasets.Dataset, shown: str) -> None:
+    """Refuse text that is not UTF-8. pyarrow's JSON and CSV readers keep such bytes as they are, and
+    the first read of the row would fail deep inside training instead of here."""
+    table = split.data.table
+    for column in table.column_names:
+        start = 0
+        for chunk in table.column(column).chunks:
+            try:
+                chunk.validate(full=True)
+            except pyarrow.ArrowInvalid:
+                row = start + next((i for i in range(len(chunk)) if not _decodes(chunk[i])), 0)
+                raise FinetuneError(
+                    f"{shown}, row {row}: field '{column}' is not UTF-8 text. Save the file as UTF-8, e.g. "
+                    "`iconv -f latin1 -t utf-8 in.jsonl > out.jsonl` for Latin-1 data."
+                ) from None
+            start += len(chunk)
+
+
+def _decodes(value: pyarrow.Scalar) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def split_eval(splits: datasets.DatasetDict, eval_split: str, seed: int, source: str) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, eval). `eval_split` names a split of the dataset, or is a fraction of train held out
     with a shuffle seeded by `seed` (the same rows every run with that seed)."""
     if "train" not in splits:
-        raise FinetuneError(f"{source} has no 'train' split; its splits are {', '.join(splits)}")
+        raise FinetuneError(
+            f"{source} has no 'train' split; its splits are {', '.join(splits)}. In a directory, the split is "
+            "the file name: put the training rows in train.jsonl (or .json, .csv, .parquet)."
+        )
     train = splits["train"]
     try:
         fraction = float(eval_split)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 from finetune.catalog import gpus as gpu_catalog
 from finetune.catalog import models as model_catalog
@@ -16,7 +18,7 @@ from finetune.planner import report
 from finetune.planner.choose import Request, plan
 from finetune.planner.launch import DEFAULT_CONFIG_DIR, write_configs
 from finetune.planner.query import parse_gpus, parse_query, resolve_model
-from finetune.planner.workload import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
+from finetune.vocabulary import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
 
 # Sequence length when neither the query nor --seq-len gives one (capped by the model's context).
 DEFAULT_SEQ_LEN = 2048
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategy", choices=("auto", *STRATEGIES), help="default auto: all that apply")
     parser.add_argument("--offload", choices=("auto", *OFFLOADS), help="params implies optimizer (default auto)")
     parser.add_argument("--precision", choices=("auto", *PRECISIONS),
-                        help="auto: bf16-mixed for full, bf16-true for LoRA/QLoRA (fp16-mixed without bf16)")
+                        help="auto: bf16-mixed for full, bf16-true for LoRA/QLoRA (fp16-mixed / fp16-true without bf16)")
     parser.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), help="auto: adamw")
     parser.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
     parser.add_argument("--lora-targets", help="all-linear (default) or a comma list such as q_proj,v_proj")
@@ -46,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="default: only when needed to fit")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
+    parser.add_argument("--host-memory", metavar="GiB|local",
+                        help="host RAM per node a plan may use (default: what the GPU's usual cloud instance has; "
+                        "local: this machine's)")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.add_argument("--png", metavar="FILE", help="draw per-GPU memory per plan as a stacked bar chart")
     parser.add_argument("--write-config", metavar="DIR", help="write the recommended plan's accelerate YAML (and DeepSpeed JSON)")
     parser.add_argument("--simulate", action="store_true",
-                        help="also run one step of the (single) plan on fake tensors and compare memory (needs torch)")
+                        help="also run the recommended plan's launch command for two steps on fake tensors, through the "
+                        "trainer's own model and optimizer construction, and compare memory (needs torch)")
     return parser
 
 
@@ -61,8 +67,10 @@ def build_request(args: argparse.Namespace) -> Request | list[Request]:
         fields_from_query["gpu"], fields_from_query["gpus_per_node"] = parse_gpus(args.gpus)
     if args.model:
         fields_from_query["model"] = args.model
+    if args.host_memory is not None:
+        fields_from_query["host_memory_gib"] = host_memory_gib(args.host_memory)
     names = {f.name for f in fields(Request)}
-    for name in names - {"model", "gpu", "gpus_per_node"}:
+    for name in names - {"model", "gpu", "gpus_per_node", "host_memory_gib"}:
         value = getattr(args, name, None)
         if value is not None:
             fields_from_query[name] = value
@@ -72,7 +80,8 @@ def build_request(args: argparse.Namespace) -> Request | list[Request]:
 
     def request_for(name: str) -> Request:
         spec = resolve_model(name)
-        seq_len = fields_from_query.get("seq_len") or min(DEFAULT_SEQ_LEN, spec.max_position_embeddings)
+        seq_len = fields_from_query.get("seq_len")
+        seq_len = min(DEFAULT_SEQ_LEN, spec.max_position_embeddings) if seq_len is None else seq_len
         return Request(model=spec, **{**fields_from_query, "seq_len": seq_len})
 
     if "model" in fields_from_query:
@@ -80,37 +89,80 @@ def build_request(args: argparse.Namespace) -> Request | list[Request]:
     return [request_for(name) for name in model_catalog.MODELS if name != "tiny"]
 
 
+def host_memory_gib(text: str) -> float:
+    """--host-memory: a number of GiB, or `local` for this machine's RAM."""
+    if text == "local":
+        meminfo = Path("/proc/meminfo")
+        if not meminfo.is_file():
+            raise FinetuneError("--host-memory local reads /proc/meminfo, which this system lacks; give a number of GiB.")
+        total_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemTotal:"))
+        return total_kib / 2**20
+    try:
+        return float(text)
+    except ValueError:
+        raise FinetuneError(f"--host-memory {text!r}: give GiB per node (e.g. 512) or `local`.") from None
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     request = build_request(args)
-    config_dir = args.write_config or DEFAULT_CONFIG_DIR
     if isinstance(request, list):
         return _what_fits(request, args)
     plans, recommended = plan(request)
-    if args.json:
-        print(json.dumps(report.to_json(request, plans, recommended, config_dir), indent=2))
-    else:
-        print(report.table(request, plans, recommended, config_dir))
-    if args.png:
-        print(f"wrote {report.draw_png(request, plans, recommended, args.png)}")
-    if args.write_config:
-        if recommended is None:
-            raise FinetuneError("No plan fits, so there is no config to write.")
-        for path in write_configs(plans[recommended], args.write_config):
-            print(f"wrote {path}")
+    config_dir = args.write_config or DEFAULT_CONFIG_DIR
+    print(json.dumps(report.to_json(request, plans, recommended, config_dir), indent=2) if args.json
+          else report.table(request, plans, recommended, config_dir))
+    try:
+        if args.png:
+            note(f"wrote {report.draw_png(request, plans, recommended, args.png)}")
+        if args.write_config:
+            if recommended is None:
+                raise FinetuneError("No plan fits, so there is no config to write.")
+            for path in write_configs(plans[recommended], args.write_config):
+                note(f"wrote {path}")
+    except OSError as e:
+        raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
     if args.simulate:
-        from finetune.planner import simulate  # imports torch
-
         chosen = plans[recommended] if recommended is not None else plans[0]
-        print(simulate.compare_text(chosen.workload))
+        note(simulation_text(chosen))
     return 0
+
+
+def note(text: str) -> None:
+    """Messages beside the plan go to stderr, so `--json` output stays machine-readable."""
+    print(text, file=sys.stderr)
+
+
+def simulation_text(chosen) -> str:
+    """Two fake-tensor steps of the plan's launch command, built as the trainer builds it."""
+    import tempfile
+
+    from finetune.planner import simulate
+    from finetune.runplan import run_of_plan  # imports torch
+
+    with tempfile.TemporaryDirectory(prefix="finetune-simulate-") as workdir:
+        write_configs(chosen, workdir)
+        run = run_of_plan(chosen, workdir, workdir)
+        return simulate.compare_text(run, chosen.workload)
 
 
 def _what_fits(requests: list[Request], args: argparse.Namespace) -> int:
-    """No model named: the best plan of every catalog model on these GPUs."""
+    """No model named: the best plan of every catalog model on these GPUs. --write-config writes one
+    folder per model that fits, --png one chart with each model's recommended plan."""
+    if args.simulate:
+        raise FinetuneError("--simulate needs one model: add --model NAME.")
     results = [(request, *plan(request)) for request in requests]
-    if args.json:
-        print(json.dumps([report.to_json(r, p, i, args.write_config or DEFAULT_CONFIG_DIR) for r, p, i in results], indent=2))
-        return 0
-    print(report.what_fits_table(results))
+    print(json.dumps([report.to_json(r, p, i, _model_dir(args.write_config, r)) for r, p, i in results], indent=2)
+          if args.json else report.what_fits_table(results))
+    if args.png:
+        note(f"wrote {report.draw_what_fits_png(results, args.png)}")
+    if args.write_config:
+        for request, plans, recommended in results:
+            if recommended is not None:
+                for path in write_configs(plans[recommended], _model_dir(args.write_config, request)):
+                    note(f"wrote {path}")
     return 0
+
+
+def _model_dir(write_config: str | None, request: Request) -> str:
+    return str(Path(write_config or DEFAULT_CONFIG_DIR) / request.model.name)

@@ -21,30 +21,23 @@ DEEPSPEED_FILE = "ds_config.json"
 DEFAULT_CONFIG_DIR = "plan"
 # Port of the rank-0 rendezvous on multi-node launches (Accelerate's default).
 MAIN_PROCESS_PORT = 29500
-# finetune's --max-grad-norm default, written into the DeepSpeed JSON so both clip the same way.
-GRADIENT_CLIPPING = 1.0
-
-DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
-MIXED_PRECISION = {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp32": "no"}
-# transformers' decoder layer class per model_type: FSDP's transformer-based wrap unit.
-DECODER_LAYER = {
-    "llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-    "qwen3": "Qwen3DecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
-    "phi3": "Phi3DecoderLayer", "olmo": "OlmoDecoderLayer", "olmo2": "Olmo2DecoderLayer", "granite": "GraniteDecoderLayer",
-}
+# Values the run fills from its flags (micro batch, accumulation, world size, clipping, --precision);
+# leaving them "auto" means the JSON can never disagree with the launch command.
+RUN_OWNED_AUTO = "auto"
 
 
 def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
-    """The Accelerate config (the YAML `accelerate config` writes) that runs `plan`."""
+    """The Accelerate config (the YAML `accelerate config` writes) that runs `plan`. It sets no
+    mixed_precision: the run's --precision decides it (and Accelerate refuses one beside a
+    DeepSpeed config file)."""
     w = plan.workload
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": DISTRIBUTED_TYPE[w.strategy],
+        "distributed_type": w.strategy_spec.distributed_type,
         "downcast_bf16": "no",
         "machine_rank": 0,
         "main_training_function": "main",
-        "mixed_precision": MIXED_PRECISION[w.precision],
         "num_machines": w.nodes,
         "num_processes": w.world_size,
         "rdzv_backend": "static",
@@ -54,8 +47,7 @@ def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
     if w.strategy == "fsdp":
         config["fsdp_config"] = {
             "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": DECODER_LAYER.get(w.model.model_type, "LlamaDecoderLayer"),
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the block class comes from the model's _no_split_modules
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_offload_params": w.offload == "params",
             "fsdp_reshard_after_forward": True,
@@ -71,11 +63,12 @@ def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
 
 
 def deepspeed_config(plan: Plan) -> dict | None:
-    """DeepSpeed JSON for a ZeRO plan (None otherwise), with integer batch sizes and no "auto"."""
+    """DeepSpeed JSON for a ZeRO plan (None otherwise). The values the run owns are "auto" (filled
+    from the launch command's flags and the world size); the ZeRO layout is written out."""
     w = plan.workload
     if not w.deepspeed:
         return None
-    stage = int(w.strategy[-1])
+    stage = w.strategy_spec.zero_stage
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": DS_BUCKET_ELEMENTS}
     if stage < 3:
         zero.update(allgather_bucket_size=DS_BUCKET_ELEMENTS, reduce_scatter=True)
@@ -92,12 +85,12 @@ def deepspeed_config(plan: Plan) -> dict | None:
     if w.offload == "params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {
-        "train_micro_batch_size_per_gpu": w.micro_batch_size,
-        "gradient_accumulation_steps": w.gradient_accumulation_steps,
-        "train_batch_size": w.micro_batch_size * w.gradient_accumulation_steps * w.world_size,
-        "gradient_clipping": GRADIENT_CLIPPING,
-        "bf16": {"enabled": w.precision.startswith("bf16")},
-        "fp16": {"enabled": w.precision == "fp16-mixed", "loss_scale": 0, "initial_scale_power": 16},
+        "train_micro_batch_size_per_gpu": RUN_OWNED_AUTO,
+        "gradient_accumulation_steps": RUN_OWNED_AUTO,
+        "train_batch_size": RUN_OWNED_AUTO,
+        "gradient_clipping": RUN_OWNED_AUTO,
+        "bf16": {"enabled": RUN_OWNED_AUTO},
+        "fp16": {"enabled": RUN_OWNED_AUTO, "loss_scale": 0, "initial_scale_power": 16},
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
@@ -114,7 +107,7 @@ def train_flags(w: Workload) -> list[str]:
         "--micro-batch-size", str(w.micro_batch_size),
         "--gradient-accumulation-steps", str(w.gradient_accumulation_steps),
         "--max-seq-len", str(w.seq_len),
-        "--mixed-precision", MIXED_PRECISION[w.precision],
+        "--precision", w.precision,
     ]
     if w.optimizer != "adamw":
         flags += ["--optimizer", w.optimizer]

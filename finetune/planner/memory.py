@@ -19,14 +19,16 @@ from finetune.planner.params import (
     lora_params,
     resolve_lora_targets,
 )
-from finetune.planner.workload import SHARDED_PARAMS, Workload
+from finetune.planner.workload import Workload
 
 GIB = 2**30
 
 # PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
-# between differently sized activations); reserved/allocated in training steps is typically
-# 1.03–1.15, fitted as 1.06 on the calibration set (bench/planner_accuracy.py).
-ALLOCATOR_SLACK = 0.06
+# between differently sized activations). Reserved/allocated at the training peak, measured in the
+# same run: fms-acceleration's A100 reference runs of plain HF Trainer (14 dense single-GPU runs:
+# quartiles 1.16 / 1.27 / 1.31), Answer.AI's fsdp_qlora (1.12, 1.24), torchtune (1.01). 0.15 is
+# the lower quartile of the largest sample (bench/RESULTS.md says which rows this touches).
+ALLOCATOR_SLACK = 0.15
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
 CUDA_CONTEXT_GIB = 0.5
@@ -36,8 +38,8 @@ NCCL_GIB = 0.5
 # writes the same number into the DeepSpeed JSON so the estimate and the run agree.
 DS_BUCKET_ELEMENTS = 50_000_000
 # Bytes per element of one state of each optimizer, None: the trainable weights' dtype.
-# bitsandbytes 8-bit states add one fp32 absmax per 2048-element block.
-OPTIMIZER_STATES = {"adamw": (2, None), "adamw-8bit": (2, 1 + 4 / 2048), "paged-adamw-8bit": (2, 1 + 4 / 2048), "sgd": (0, None)}
+# bitsandbytes 8-bit states add one fp32 absmax per 256-element block (Optimizer2State.init_state).
+OPTIMIZER_STATES = {"adamw": (2, None), "adamw-8bit": (2, 1 + 4 / 256), "paged-adamw-8bit": (2, 1 + 4 / 256)}
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Breakdown:
     buffers: float  # communication buckets, gathered FSDP/ZeRO-3 blocks, dequantization and optimizer scratch
     peak_phase: str  # "forward/backward" or "optimizer step"
     host_offload: float  # offloaded shards of every rank of one node
-    host_loading: float  # one copy of the weights streamed through host RAM while loading
+    host_loading: float  # checkpoint bytes the node's processes hold in host RAM while loading
 
     @property
     def allocated(self) -> float:
@@ -109,7 +111,7 @@ def model_states(w: Workload) -> ModelStates:
         frozen, constants = counts.total * base_bytes, 0.0
     else:
         nf4 = NF4_DOUBLE_QUANT_BYTES if w.double_quant else NF4_BYTES
-        frozen = counts.quantizable * 0.5 + (counts.total - counts.quantizable) * base_bytes
+        frozen = counts.quantizable * 0.5 + (counts.total - counts.quantizable) * unquantized_bytes(w)
         constants = counts.quantizable * (nf4 - 0.5)
     states, state_bytes = OPTIMIZER_STATES[w.optimizer]
     state_bytes = state_bytes or weight
@@ -131,20 +133,43 @@ def model_states(w: Workload) -> ModelStates:
     )
 
 
+def unquantized_bytes(w: Workload) -> int:
+    """Bytes per QLoRA parameter left out of 4-bit (embeddings, norms, LM head): fp32 after PEFT's
+    prepare_model_for_kbit_training, else the base's dtype (DeepSpeed's 16-bit cast included)."""
+    if w.deepspeed:
+        return w.precision_spec.compute_bytes
+    return 4 if w.kbit_upcast else w.precision_spec.weight_bytes
+
+
+def residual_bytes(w: Workload) -> int:
+    """Bytes per element of the residual stream: the embedding output's dtype, which the norms and
+    residual adds keep. An fp32 embedding (fp32 weights under autocast, or PEFT's k-bit upcast)
+    makes it fp32, unless FSDP's mixed precision or DeepSpeed computes with 16-bit copies of it."""
+    if w.strategy == "fsdp" or w.deepspeed:
+        return w.precision_spec.compute_bytes
+    if w.method == "qlora":
+        return unquantized_bytes(w)
+    return w.precision_spec.residual_bytes
+
+
 def layer_activation_bytes(w: Workload) -> float:
     """Bytes one decoder layer saves for backward, per token (flash/SDPA attention: no s² term).
 
     Counted tensor by tensor for transformers' Llama layer: RMSNorm saves its input upcast to fp32;
     a linear saves its input only when its weight trains (full fine-tuning) or a LoRA adapter reads
     it; under autocast every matmul makes its own 16-bit copy of an fp32 input; SDPA saves q, k, v
-    and its output; SwiGLU saves gate, up and the activation.
+    and its output; SwiGLU saves gate, up and the activation. A bitsandbytes 4-bit linear casts its
+    input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
+    between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
     """
     spec, p = w.model, w.precision_spec
     h, e = spec.hidden_size, p.compute_bytes
     q_width = spec.num_heads * spec.resolved_head_dim
     kv_width = spec.num_kv_heads * spec.resolved_head_dim
     inter = spec.intermediate_size
-    residual = 4 if p.autocast else e
+    residual = residual_bytes(w)
+    out = residual if w.method == "qlora" else e  # dtype of a projection's output
+    attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
     full = w.method == "full"
     targets = () if full else resolve_lora_targets(spec, w.lora_targets)
     adapter = max(p.weight_bytes, w.adapter_bytes)
@@ -161,21 +186,23 @@ def layer_activation_bytes(w: Workload) -> float:
         groups = [(h, residual, attention_in + mlp_in)]
     else:
         groups = [(h, residual, attention_in), (h, residual, mlp_in)]
-    groups += [(q_width, e, ["o_proj"]), (inter, e, ["down_proj"])]
+    groups += [(q_width, attn, ["o_proj"]), (inter, out, ["down_proj"])]
     for width, dtype_bytes, consumers in groups:
         saved += _linear_inputs(width, dtype_bytes, consumers, full, targets, e, p.autocast, adapter, w.lora_dropout)
-        if w.method == "qlora":
-            saved += width * dtype_bytes  # bitsandbytes' MatMul4Bit saves its input even for a frozen weight
+        if w.method == "qlora" and w.bnb_saves_input:
+            # old MatMul4Bit kept the 16-bit input: shared when it already was 16-bit, else one cast per linear
+            saved += width * e * (1 if dtype_bytes == e else len(consumers))
     if full and w.attention == "sdpa":
-        saved -= e * q_width  # o_proj's input is SDPA's output, already saved by SDPA
-    saved += sum(w.lora_r * adapter for name in names if name in targets)  # lora_A outputs, read by lora_B
+        saved -= attn * q_width  # o_proj's input is SDPA's output, already saved by SDPA
+    lora_out = e if p.autocast else adapter
+    saved += sum(w.lora_r * lora_out for name in names if name in targets)  # lora_A outputs, read by lora_B
 
     if w.attention == "eager":
         # scores and fp32 softmax output, per query token: one row of s keys per head
-        saved += e * (q_width + 2 * kv_width) + (4 + e) * spec.num_heads * w.seq_len
+        saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
-        saved += e * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
-    saved += e * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
+        saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
+    saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     return saved
 
 
@@ -188,34 +215,50 @@ def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, ad
     if not adapted:
         return 0.0
     mask = width * len(adapted) if dropout > 0 else 0.0
-    if autocast:
-        return width * e * len(adapted) + mask  # lora_A casts its (fp32) input to 16 bits
+    if autocast and adapter > e:
+        return width * e * len(adapted) + mask  # PEFT casts the input to fp32, each lora_A's autocast back to 16 bits
     if dtype_bytes == adapter and dropout == 0:
         return width * dtype_bytes  # every adapter reads the tensor itself
     return width * adapter * len(adapted) + mask  # PEFT casts the input to the adapter's dtype
 
 
 def loss_activation_bytes(w: Workload) -> float:
-    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy.
-
-    transformers' loss upcasts the logits to fp32 and log-softmax saves an fp32 output, so the peak
-    holds 16-bit logits + fp32 logits (or their fp32 gradient) + fp32 log-probabilities. litgpt's
-    chunked loss keeps 16-bit logits and 16-bit log-probabilities only.
-    """
+    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
+    (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
     spec, p = w.model, w.precision_spec
-    h, e, vocab = spec.hidden_size, p.compute_bytes, spec.vocab_size
-    residual = 4 if p.autocast else e
+    h, e = spec.hidden_size, p.compute_bytes
     saved = 4 * h  # final RMSNorm's fp32 input
     if w.method == "full":
-        saved += h * residual + h * e  # normalized input of the norm weight, LM head input
-    logits = 2 * e * vocab if w.chunked_loss else (e + 8) * vocab
-    return saved + logits
+        saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
+    # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
+    logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
+    return saved + LOSS_BYTES_PER_VOCAB[w.loss](logits) * spec.vocab_size
 
 
-# Scratch beside the saved activations while backward starts at the loss: fp32 gradients and
-# copies of the final hidden state around the LM head, in bytes per hidden unit per token
-# (16 fits MemTracker simulations of Llama shapes: 15.8 for full fine-tuning, 11.8 for LoRA).
-LOSS_SCRATCH_PER_HIDDEN = 16
+# Bytes per vocabulary entry per token at the loss's peak (the start of backward), given the
+# logits' bytes per element. MemTracker on fake tensors (1-layer Llama shapes, vocab 32k and 128k,
+# bf16-true and bf16-mixed, fp32-head QLoRA stand-in) measures 12 for transformers' loss either way.
+LOSS_BYTES_PER_VOCAB = {
+    # transformers ≥ 4.46: the logits the model returns, fp32 log-softmax output, its fp32
+    # gradient, and the 16-bit gradient of 16-bit logits (fp32 logits skip the upcast copy)
+    "transformers": lambda logits: 12,
+    # transformers ≤ 4.45 and torchtune ≤ 0.2: fp32 logits kept, fp32 log-probs, and the fp32
+    # gradients of both (the shifted copy of the logits lives only during forward)
+    "transformers-legacy": lambda logits: 16,
+    # litgpt: LM head and cross-entropy in chunks, 16-bit logits and log-probs
+    "chunked": lambda logits: 2 * logits,
+    # torchtune's CEWithChunkedOutputLoss: 16-bit logits, each chunk's fp32 log-probs
+    "chunked-fp32": lambda logits: logits + 4,
+    # the same loss under torch.compile: Inductor saves only the logits and recomputes each of the
+    # 8 chunks' fp32 softmax in backward (upcast, softmax and gradient: 3 × 4 bytes / 8)
+    "chunked-compiled": lambda logits: logits + 1.5,
+}
+
+
+# Scratch beside the saved activations while backward starts at the loss: gradients of the
+# final hidden state around the LM head, in bytes per hidden unit per token (MemTracker on
+# 1-layer Llama shapes leaves 0-5 once the loss holds 12 bytes per vocabulary entry).
+LOSS_SCRATCH_PER_HIDDEN = 4
 # Scratch while backward runs through a decoder layer (gradients of its activations), as a
 # fraction of that layer's saved activations. The loss phase dominates for every catalogued
 # vocabulary; this matters for small-vocabulary models only.
@@ -228,11 +271,10 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     layer (every layer's activations, the layer's recomputed activations under checkpointing, and
     its gradient scratch). With gradient checkpointing each layer keeps only its input.
     """
-    spec, p = w.model, w.precision_spec
+    spec = w.model
     tokens = w.tokens_per_micro_batch
     layer = layer_activation_bytes(w)
-    residual = 4 if p.autocast else p.compute_bytes
-    kept = spec.num_layers * (spec.hidden_size * residual if w.gradient_checkpointing else layer)
+    kept = spec.num_layers * (spec.hidden_size * residual_bytes(w) if w.gradient_checkpointing else layer)
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size
     in_layer = (layer if w.gradient_checkpointing else 0.0) + LAYER_SCRATCH * layer
     copies = autocast_weight_copies(w)
@@ -242,13 +284,19 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 def autocast_weight_copies(w: Workload) -> float:
     """Under autocast, fp32 weights are cast to 16 bits for each matmul, and backward keeps those
     copies: one 16-bit copy of every matmul weight (only the current layer's under checkpointing).
-    FSDP2 and DeepSpeed already hold 16-bit compute weights, so they make none."""
-    if not w.precision_spec.autocast or w.strategy == "fsdp" or w.deepspeed or w.method == "qlora":
+    Under QLoRA only the LM head is such a matmul (fp32 after PEFT's k-bit upcast); 16-bit weights
+    (fp16-true), FSDP2 and DeepSpeed already hold compute weights, so they make none."""
+    p = w.precision_spec
+    if not p.autocast or w.strategy == "fsdp" or w.deepspeed:
         return 0.0
     counts = count_params(w.model)
-    layers = 1 if w.gradient_checkpointing else w.model.num_layers
     head = counts.head or counts.embedding
-    return w.precision_spec.compute_bytes * (layers * counts.layer_linear_weights + head)
+    if w.method == "qlora":
+        return p.compute_bytes * head if unquantized_bytes(w) > p.compute_bytes else 0.0
+    if p.weight_bytes == p.compute_bytes:
+        return 0.0
+    layers = 1 if w.gradient_checkpointing else w.model.num_layers
+    return p.compute_bytes * (layers * counts.layer_linear_weights + head)
 
 
 def working_set_bytes(w: Workload) -> tuple[float, float]:
@@ -256,19 +304,22 @@ def working_set_bytes(w: Workload) -> tuple[float, float]:
 
     FSDP2 keeps its root unit (embedding, final norm, head) gathered from forward to the end of
     backward; inside a layer it also holds that layer's gathered 16-bit weights, the prefetched
-    next layer and the layer's unsharded gradients before reduce-scatter: 3 layers (FSDPMemTracker
-    on 2–8 fake ranks agrees within 1 % for full and LoRA). ZeRO-3 gathers modules one at a time
-    (the largest of a layer, the embedding and the head), its unsharded gradients, and a
-    reduce bucket.
+    next layer and the layer's unsharded gradients before reduce-scatter (a whole layer for full
+    fine-tuning, its adapters for LoRA). ZeRO-3 gathers modules one at a time (the largest of a
+    layer, the embedding and the head), its unsharded gradients, and a reduce bucket.
     """
-    if w.strategy not in SHARDED_PARAMS:
+    if not w.strategy_spec.shards_weights:
         return 0.0, 0.0
     counts = count_params(w.model)
     e = w.precision_spec.compute_bytes
+    layer = e * counts.layer
+    if w.method == "qlora":  # 4-bit weights travel packed in their 16-bit storage
+        layer -= (e - 0.5) * counts.layer_linear_weights
     if w.strategy == "fsdp":
-        return e * counts.root, e * (counts.root + 3 * counts.layer)
-    largest = max(counts.layer, counts.embedding, counts.head)
-    gathered = e * (2 * largest + DS_BUCKET_ELEMENTS)
+        layer_gradients = e * trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
+        return e * counts.root, e * counts.root + 2 * layer + layer_gradients
+    largest = max(layer, e * counts.embedding, e * counts.head)
+    gathered = 2 * largest + e * DS_BUCKET_ELEMENTS
     return gathered, gathered
 
 
@@ -293,18 +344,40 @@ def dequant_scratch_bytes(w: Workload) -> float:
     return largest * w.precision_spec.compute_bytes
 
 
-def estimate(w: Workload) -> Breakdown:
-    """Per-GPU peak memory of one training step of `w`, by term."""
-    states = model_states(w)
-    n = w.world_size
-    shard_weights = w.strategy in SHARDED_PARAMS
-    shard_grads = shard_weights or w.strategy == "zero2"
-    shard_optimizer = shard_grads or w.strategy == "zero1"
-    weights = (states.frozen + states.trainable) / (n if shard_weights else 1) + states.quant_constants
-    gradients = states.gradients / (n if shard_grads else 1)
-    optimizer = states.optimizer / (n if shard_optimizer else 1)
-    step_scratch = states.step_scratch / (n if shard_optimizer else 1)
+# Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
+CHECKPOINT_SHARD_BYTES = 5e9
 
+
+def loading_host_bytes(w: Workload) -> float:
+    """Host RAM per node while the weights load. finetune loads straight onto each GPU (QLoRA
+    quantizes on the way), so each process holds about one checkpoint file at a time; under FSDP
+    with cpu-RAM-efficient loading one process per node reads the whole checkpoint and the others
+    receive their shards, and without it every process holds a full copy."""
+    model_bytes = count_params(w.model).total * w.precision_spec.weight_bytes
+    if w.strategy == "fsdp":
+        return model_bytes * (1 if w.efficient_loading else w.gpus_per_node)
+    return w.gpus_per_node * min(model_bytes, CHECKPOINT_SHARD_BYTES)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Model states of one GPU after the strategy sharded them and offload moved some to the host."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    step_scratch: float
+    offloaded: float  # bytes this GPU's process keeps in host RAM instead
+
+
+def place_states(w: Workload, states: ModelStates) -> Placement:
+    """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
+    by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
+    n, strategy = w.world_size, w.strategy_spec
+    weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
+    gradients = states.gradients / (n if strategy.shards_gradients else 1)
+    optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)
+    step_scratch = states.step_scratch / (n if strategy.shards_optimizer else 1)
     offloaded = 0.0
     if w.offload != "none":
         # The optimizer steps on the host; DeepSpeed also streams each reduced gradient partition
@@ -315,6 +388,14 @@ def estimate(w: Workload) -> Breakdown:
     if w.offload == "params":
         offloaded += weights - states.quant_constants + gradients
         weights, gradients = states.quant_constants, 0.0
+    return Placement(weights, gradients, optimizer, step_scratch, offloaded)
+
+
+def estimate(w: Workload) -> Breakdown:
+    """Per-GPU peak memory of one training step of `w`, by term."""
+    states = model_states(w)
+    placed = place_states(w, states)
+    weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
 
     persistent = comm_buffer_bytes(w, states)
     scratch = dequant_scratch_bytes(w)
@@ -325,8 +406,6 @@ def estimate(w: Workload) -> Breakdown:
     else:
         phase, activations, buffers = "optimizer step", 0.0, persistent + step_scratch
 
-    counts = count_params(w.model)
-    load_bytes = w.precision_spec.compute_bytes if w.method == "qlora" else w.precision_spec.weight_bytes
     return Breakdown(
         weights=weights,
         gradients=gradients,
@@ -334,6 +413,6 @@ def estimate(w: Workload) -> Breakdown:
         activations=activations,
         buffers=buffers,
         peak_phase=phase,
-        host_offload=offloaded * w.gpus_per_node,
-        host_loading=counts.total * load_bytes,
+        host_offload=placed.offloaded * w.gpus_per_node,
+        host_loading=loading_host_bytes(w),
     )

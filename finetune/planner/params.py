@@ -54,8 +54,13 @@ def linear_names(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(linear.name for linear in layer_linears(spec))
 
 
+# PEFT adapts the output layer only when it is named: "all-linear" leaves it out.
+LM_HEAD = "lm_head"
+
+
 def resolve_lora_targets(spec: ModelSpec, targets: str) -> tuple[str, ...]:
-    """'all-linear' (PEFT: every linear in the layers, not the LM head) or a comma list of names.
+    """'all-linear' (PEFT: every linear in the layers, not the LM head) or a comma list of names,
+    which may include the LM head (`lm_head`).
 
     Raises FinetuneError naming the valid module names when a target is not a linear of the model.
     """
@@ -63,11 +68,11 @@ def resolve_lora_targets(spec: ModelSpec, targets: str) -> tuple[str, ...]:
     if targets.strip() == "all-linear":
         return names
     chosen = tuple(dict.fromkeys(t.strip() for t in targets.split(",") if t.strip()))
-    unknown = [t for t in chosen if t not in names]
+    unknown = [t for t in chosen if t not in (*names, LM_HEAD)]
     if unknown or not chosen:
         raise FinetuneError(
             f"--lora-targets {targets!r}: {', '.join(unknown) or 'empty'} not a linear of {spec.name}. "
-            f"Use all-linear or a comma list of: {', '.join(names)}."
+            f"Use all-linear or a comma list of: {', '.join((*names, LM_HEAD))}."
         )
     return chosen
 
@@ -121,6 +126,8 @@ def count_params(spec: ModelSpec) -> ParamCounts:
 
 
 def lora_params(spec: ModelSpec, r: int, targets: tuple[str, ...]) -> int:
-    """LoRA adds A (r × fan_in) and B (fan_out × r) to every targeted linear of every layer."""
+    """LoRA adds A (r × fan_in) and B (fan_out × r) to every targeted linear of every layer, and to
+    the LM head (hidden → vocabulary) when it is a target."""
     per_layer = sum(r * (linear.fan_in + linear.fan_out) for linear in layer_linears(spec) if linear.name in targets)
-    return spec.num_layers * per_layer
+    head = r * (spec.hidden_size + spec.vocab_size) if LM_HEAD in targets else 0
+    return spec.num_layers * per_layer + head

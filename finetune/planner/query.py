@@ -5,7 +5,6 @@ model names / config.json paths → ModelSpec, without torch or network.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -13,10 +12,15 @@ from finetune.catalog import gpus as gpu_catalog
 from finetune.catalog import models as model_catalog
 from finetune.catalog.models import ModelSpec
 from finetune.errors import FinetuneError
-from finetune.planner.workload import PRECISIONS
+from finetune.vocabulary import PRECISIONS
 
+# what `finetune plan --model` accepts, for errors
+MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, or a config.json path"
 # config.json model_types whose decoder layer has the Llama layout the planner counts.
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite"}
+# config.json fields the planner counts with; each must be a positive integer where present
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
 
 
 def _flexible(key: str) -> str:
@@ -50,7 +54,7 @@ def parse_gpus(text: str) -> tuple[str, int]:
 
     Raises FinetuneError naming close catalog GPUs when none is recognised.
     """
-    found = find_gpus(text.lower())
+    found = find_gpus(text)
     if found is None:
         gpu_catalog.get(re.sub(r"^\s*\d+\s*[x×*]\s*", "", text))  # raises with close names
         raise FinetuneError(f"Cannot read GPUs from {text!r}: write e.g. 2xA100-40GB")
@@ -58,6 +62,12 @@ def parse_gpus(text: str) -> tuple[str, int]:
 
 
 def find_gpus(text: str) -> tuple[str, int] | None:
+    """(catalog GPU name, count) named in `text`, or None when it names no GPU.
+
+    Raises FinetuneError for a GPU-like word the catalog lacks ('2xA1000'), with close names, and
+    for a bare name or size that fits several entries ('A100', '40GB').
+    """
+    original = text
     text = re.sub(r"(\d)\s*[x×*]\s*(?=[a-z0-9])", r"\1 x ", text.lower())
     hit = _longest_match(text, gpu_catalog.spellings())
     if hit is None:
@@ -65,10 +75,14 @@ def find_gpus(text: str) -> tuple[str, int] | None:
             if re.search(rf"(?<![a-z0-9]){bare}(?![a-z0-9])", text):
                 raise FinetuneError(f"'{bare.upper()}' comes in several sizes: say which, e.g. {' or '.join(sizes)}.")
         size = re.search(r"(?<![a-z0-9])(\d+)\s*gb?(?![a-z0-9])", text)
+        memory = int(size.group(1)) if size else None
+        word = _gpu_like_word(original)
+        if word:
+            gpu_catalog.get(word, memory)  # raises with close names
         if size:
-            same = [g.name for g in gpu_catalog.GPUS.values() if abs(g.memory_gib - int(size.group(1))) <= 1.5]
+            same = gpu_catalog.same_size(memory)
             hint = f": {', '.join(same)}" if same else ""
-            raise FinetuneError(f"Which {size.group(1)} GB GPU? Name it{hint} (e.g. 2x{same[0] if same else 'A100-40GB'}).")
+            raise FinetuneError(f"Which {memory} GB GPU? Name it{hint} (e.g. 2x{same[0] if same else 'A100-40GB'}).")
         return None
     name, match = hit
     before = re.search(r"(\d+)\s*(?:x\s*)?$", text[: match.start()])
@@ -79,6 +93,15 @@ def find_gpus(text: str) -> tuple[str, int] | None:
     return name, count
 
 
+def _gpu_like_word(text: str) -> str | None:
+    """A word of letters and digits counted like GPUs ('2xA1000', '4 x B200') or followed by a memory
+    size ('A1000 40GB'), as the user wrote it."""
+    name = r"([a-z][a-z0-9\-]*\d[a-z0-9\-]*)"
+    found = (re.search(rf"(?<![a-z0-9])\d+\s*[x×*]\s*{name}", text, re.IGNORECASE)
+             or re.search(rf"(?<![a-z0-9]){name}\s*\d+\s*gb?(?![a-z0-9])", text, re.IGNORECASE))
+    return found.group(1) if found else None
+
+
 def parse_query(text: str) -> dict:
     """Request fields found in a free-text query; flags given on the command line override them.
 
@@ -86,13 +109,9 @@ def parse_query(text: str) -> dict:
     """
     fields: dict = {}
     low = text.lower()
-    gpus = find_gpus(low)
+    gpus = find_gpus(text)
     if gpus:
         fields["gpu"], fields["gpus_per_node"] = gpus
-    else:
-        counted = re.search(r"(?<![a-z0-9])\d+\s*[x×*]\s*([a-z][a-z0-9\-]*)", low)
-        if counted:
-            gpu_catalog.get(counted.group(1))  # raises with close GPU names
     for token in low.split():
         if "/" in token or token.endswith(".json"):
             fields["model"] = token
@@ -155,38 +174,44 @@ def resolve_model(name: str) -> ModelSpec:
     if spec is not None:
         return spec
     path = Path(name).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        return spec_from_config(json.loads(path.read_text()), name)
-    if "/" in name and not name.startswith((".", "/")):
+    if path.exists():
+        return spec_from_config(model_catalog.read_local_config(path, MODEL_FORMS), name)
+    if model_catalog.looks_like_path(name):
+        raise FinetuneError(f"--model {name}: no such file or directory. Expected {MODEL_FORMS}.")
+    if "/" in name:
         cached = _hub_cache_config(name)
         if cached is not None:
             return spec_from_config(json.loads(cached.read_text()), name)
         raise FinetuneError(
             f"'{name}' is not in the catalog and its config.json is not in the local Hugging Face cache. "
-            f"Fetch just that file (huggingface-cli download {name} config.json) and pass its path to --model."
+            f"Fetch just that file: `hf download {name} config.json` puts it in the cache, where the planner "
+            "looks; offline, copy a config.json here and pass its path to --model."
         )
     return model_catalog.get(name)  # raises with close names
 
 
 def _hub_cache_config(repo_id: str) -> Path | None:
-    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
-    snapshots = home / f"models--{repo_id.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
-    return found[-1] if found else None
+    """The cached config.json of the Hub repo's main revision (huggingface_hub knows the cache's
+    layout and which snapshot `main` points at), or None. Imported here: `finetune plan` for catalog
+    models never needs it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
 
 
 def spec_from_config(config: dict, name: str) -> ModelSpec:
     """ModelSpec from a transformers config.json of a Llama-like decoder.
 
-    Raises FinetuneError for mixture-of-experts or non-Llama layouts the planner cannot count.
+    Raises FinetuneError for mixture-of-experts or non-Llama layouts the planner cannot count, and
+    for missing or non-positive sizes.
     """
     model_type = config.get("model_type", "?")
     if any(key in config for key in ("num_local_experts", "num_experts", "n_routed_experts")):
         raise FinetuneError(f"{name}: mixture-of-experts models ({model_type}) are not supported by the planner.")
     if model_type not in LLAMA_LIKE:
         raise FinetuneError(f"{name}: model_type {model_type!r} is not supported; the planner knows {', '.join(sorted(LLAMA_LIKE))}.")
+    _check_sizes(config, name)
     try:
         heads = config["num_attention_heads"]
         return ModelSpec(
@@ -200,3 +225,11 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
         )
     except KeyError as e:
         raise FinetuneError(f"{name}: config.json lacks {e.args[0]!r}, which the planner needs.") from e
+
+
+
+def _check_sizes(config: dict, name: str) -> None:
+    wrong = [f"{key}={config[key]!r}" for key in SIZE_FIELDS
+             if config.get(key) is not None and (type(config[key]) is not int or config[key] < 1)]
+    if wrong:
+        raise FinetuneError(f"{name}: config.json sizes must be positive integers, got {', '.join(wrong)}.")

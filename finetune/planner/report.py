@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.planner.choose import STRATEGY_LABEL, Plan, Request, describe
+from finetune.planner.choose import Plan, Request, describe
 from finetune.planner.launch import launch_command
 from finetune.planner.memory import GIB, trainable_params
 from finetune.planner.params import count_params
@@ -25,6 +25,8 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
         "fits": p.fits,
+        "fits_device": p.fits_device,
+        "fits_host": p.fits_host,
         "memory_per_gpu_gib": {
             **{term: _gib(getattr(m, term)) for term in TERMS},
             "allocated": _gib(m.allocated),
@@ -56,6 +58,7 @@ def to_json(request: Request, plans: list[Plan], recommended: int | None, config
             "gpu": gpu.name, "count": request.gpus_per_node * request.nodes, "gpus_per_node": request.gpus_per_node,
             "nodes": request.nodes, "memory_gib": gpu.memory_gib, "bf16_tflops": gpu.bf16_tflops,
             "interconnect": gpu.interconnect, "usd_per_hour": gpu.usd_per_hour,
+            "host_memory_gib_per_node": round(request.host_limit_gib, 1),
         },
         "tokens": request.tokens,
         "plans": [plan_dict(p, request.tokens, config_dir) for p in plans],
@@ -63,14 +66,18 @@ def to_json(request: Request, plans: list[Plan], recommended: int | None, config
     }
 
 
-def table(request: Request, plans: list[Plan], recommended: int | None, config_dir: str) -> str:
-    """One row per plan, then the recommendation with its reasons and launch command."""
+def table(request: Request, plans: list[Plan], recommended: int | None, config_dir: str,
+          heading: str = "Recommended") -> str:
+    """One row per plan, then the recommendation (or `heading`) with its reasons and launch command."""
     spec, gpu = request.model, request.gpu
     world = request.gpus_per_node * request.nodes
+    host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
     lines = [
         f"{spec.name}: {count_params(spec).total / 1e9:.2f}B params on {world}× {gpu.name} "
-        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}",
-        "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + allocator slack + CUDA context",
+        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
+        f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
+        "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
+        "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights)",
         "",
     ]
     header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s", "hours", "$")
@@ -79,10 +86,10 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         w, m = p.workload, p.memory
         hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
         rows.append((
-            "*" if i == recommended else "", w.method, STRATEGY_LABEL[w.strategy], w.offload,
+            "*" if i == recommended else "", w.method, w.strategy_spec.label, w.offload,
             str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
-            f"{p.device_gib:.1f}", f"{m.host / GIB:.0f}", "yes" if p.fits else "NO",
+            f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", "yes" if p.fits else "NO" if not p.fits_device else "NO (host)",
             f"{p.speed.tokens_per_second:,.0f}", f"{hours:.1f}" if hours is not None else "-",
             f"{cost:,.0f}" if cost is not None else "-",
         ))
@@ -95,7 +102,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         lines.append("Try more GPUs, QLoRA, a shorter --seq-len, or offload.")
         return "\n".join(lines)
     best = plans[recommended]
-    lines.append(f"Recommended: {describe(best.workload)}, micro batch {best.workload.micro_batch_size}"
+    lines.append(f"{heading}: {describe(best.workload)}, micro batch {best.workload.micro_batch_size}"
                  + (", gradient checkpointing" if best.workload.gradient_checkpointing else ""))
     lines += [f"  - {reason}" for reason in best.reasons]
     lines.append(f"  launch: {launch_command(best, config_dir)}")
@@ -110,18 +117,23 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
     """One line per model: its recommended plan on these GPUs, or how far the closest plan misses."""
     request = results[0][0]
     world = request.gpus_per_node * request.nodes
-    lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB), seq len {request.seq_len}:"]
+    lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB, host RAM "
+             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}:"]
     for req, plans, recommended in results:
         name = f"{req.model.name} ({count_params(req.model).total / 1e9:.1f}B)"
         if recommended is None:
             closest = plans[0]
-            lines.append(f"  {name:<24} nothing fits (closest: {describe(closest.workload)}, {closest.device_gib:.0f} GiB per GPU)")
+            lines.append(f"  {name:<24} nothing fits (closest: {describe(closest.workload)}, {closest.device_gib:.0f} GiB "
+                         f"per GPU, {closest.host_gib:.0f} GiB host)")
             continue
         best = plans[recommended]
         fitting = sorted({p.workload.method for p in plans if p.fits})
+        hours, cost = best.hours(req.tokens), best.cost_usd(req.tokens)
+        time_and_cost = f"  {hours:,.1f} h ${cost:,.0f}" if hours is not None else ""
         lines.append(
-            f"  {name:<24} {describe(best.workload):<28} micro batch {best.workload.micro_batch_size:<3} "
-            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s   methods that fit: {', '.join(fitting)}"
+            f"  {name:<24} {describe(best.workload):<30} micro batch {best.workload.micro_batch_size:<3} "
+            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s{time_and_cost}   "
+            f"methods that fit: {', '.join(fitting)}"
         )
     lines.append("Details for one model: finetune plan --model NAME --gpus ...")
     return "\n".join(lines)
@@ -129,12 +141,26 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
 
 def draw_png(request: Request, plans: list[Plan], recommended: int | None, path: str | Path) -> Path:
     """Stacked bars of per-GPU memory per plan, with the GPU's capacity as a line."""
+    labels = [describe(p.workload) + ("  ★" if i == recommended else "") for i, p in enumerate(plans)]
+    title = f"{request.model.name} on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}"
+    return _draw_bars(plans, labels, request, title, path)
+
+
+def draw_what_fits_png(results: list[tuple[Request, list[Plan], int | None]], path: str | Path) -> Path:
+    """Stacked bars of each model's recommended plan (or its closest miss), one bar per model."""
+    chosen = [(req, plans[recommended if recommended is not None else 0]) for req, plans, recommended in results]
+    labels = [f"{req.model.name}: {describe(p.workload)}" + ("" if p.fits else " (does not fit)") for req, p in chosen]
+    request = results[0][0]
+    title = f"What fits on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}"
+    return _draw_bars([p for _, p in chosen], labels, request, title, path)
+
+
+def _draw_bars(plans: list[Plan], labels: list[str], request: Request, title: str, path: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [describe(p.workload) + ("  ★" if i == recommended else "") for i, p in enumerate(plans)]
     figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(plans) + 2), 5))
     bottom = [0.0] * len(plans)
     for term in TERMS:
@@ -146,7 +172,7 @@ def draw_png(request: Request, plans: list[Plan], recommended: int | None, path:
     axis.axhline(request.gpu.memory_gib, color="red", linestyle="--", label=f"{request.gpu.name} ({request.gpu.memory_gib:.0f} GiB)")
     axis.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=8)
     axis.set_ylabel("GiB per GPU")
-    axis.set_title(f"{request.model.name} on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}")
+    axis.set_title(title)
     axis.legend(fontsize=8)
     figure.tight_layout()
     path = Path(path)

@@ -1,21 +1,28 @@
-"""`finetune plan --simulate`: run real training steps of a plan on fake tensors and measure the
-per-GPU peak with PyTorch's MemTracker (FSDPMemTracker on a fake process group for FSDP).
+"""`finetune plan --simulate` and `finetune --dry-run --simulate`: run training steps of the run
+itself on fake tensors and measure the per-GPU peak with PyTorch's MemTracker (FSDPMemTracker on a
+fake process group for FSDP2).
 
-Fake CPU tensors carry shapes and dtypes but no data, so a 7B step takes seconds-to-a-minute of CPU
-and almost no memory. The step mirrors finetune's loop with gradient accumulation: two
-forward/backward passes with an optimizer step after each, so the second pass runs with
-gradients and optimizer states allocated, as every pass after the first does in a real run.
-Supports full and LoRA fine-tuning on one device or FSDP2; QLoRA's 4-bit kernels cannot run on
-fake tensors.
+The model and optimizer are the trainer's own construction (modeling.build_skeleton,
+optim.build_optimizer), not a copy: what is simulated is what `python -m finetune` with the same
+flags would build. Fake CPU tensors carry shapes and dtypes but no data, so a 7B step takes
+seconds-to-a-minute of CPU and almost no memory. The step mirrors the loop with gradient
+accumulation: two forward/backward passes with an optimizer step after each, so the second pass
+runs with gradients and optimizer states allocated, as every pass after the first does in a real
+run. Supports full and LoRA fine-tuning on one device or FSDP2; QLoRA's 4-bit kernels and the
+DeepSpeed engine do not run on fake tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
 from finetune.planner.memory import GIB, estimate
 from finetune.planner.workload import Workload
+
+if TYPE_CHECKING:
+    from finetune.resolved import ResolvedRun
 
 # MemTracker's reference types → the planner's terms.
 CATEGORIES = {
@@ -33,29 +40,37 @@ class Simulation:
     terms: dict[str, int]  # planner term → bytes at the peak
 
 
-def simulate(w: Workload) -> Simulation:
-    """Peak tracked memory of one GPU over two accumulation micro-steps of `w`."""
-    if w.method == "qlora":
-        raise FinetuneError("--simulate supports full and LoRA plans: bitsandbytes' 4-bit kernels do not run on fake tensors.")
-    if w.strategy not in ("single", "fsdp") or w.offload != "none":
-        raise FinetuneError(f"--simulate supports one GPU and FSDP2 without offload, not {w.strategy} with offload {w.offload}.")
-    if w.optimizer not in ("adamw", "sgd"):
-        raise FinetuneError(f"--simulate runs torch optimizers (adamw, sgd), not {w.optimizer}.")
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def simulate(run: ResolvedRun) -> Simulation:
+    """Peak tracked memory of one GPU over two accumulation micro-steps of `run`."""
+    if run.config.method == "qlora":
+        raise FinetuneError("--simulate supports full and LoRA runs: bitsandbytes' 4-bit kernels do not run on fake tensors.")
+    if run.strategy.name not in ("single", "fsdp") or run.offload != "none":
+        raise FinetuneError(f"--simulate supports one GPU and FSDP2 without offload, not {run.strategy.label} "
+                            f"with offload {run.offload}.")
+    if run.config.optimizer != "adamw":
+        raise FinetuneError(f"--simulate runs torch's AdamW, not {run.config.optimizer}.")
+    if run.strategy.name == "fsdp":
+        return _simulate_fsdp(run)
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    if w.strategy == "fsdp":
-        return _simulate_fsdp(w, torch, FakeTensorMode)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _build_model(w, torch)
-        optimizer = _optimizer(w, model, torch)
-        from torch.distributed._tools.mem_tracker import MemTracker
+    from finetune import modeling
+    from finetune.optim import build_optimizer
 
+    model, fake_mode = modeling.build_skeleton(run)
+    with fake_mode:
+        optimizer = _foreach_like_cuda(build_optimizer(run.config, model, run.peak_lr))
         tracker = _frozen_aware(MemTracker)()
         tracker.track_external(model, optimizer)
         with tracker:
-            _steps(w, model, optimizer, torch, tracker)
+            _steps(run, model, optimizer, tracker)
         return _result(tracker)
+
+
+def _foreach_like_cuda(optimizer):
+    """torch's AdamW runs foreach on CUDA (its default there); on CPU tensors it would loop per tensor."""
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    return optimizer
 
 
 class _NoHook:
@@ -77,91 +92,54 @@ def _frozen_aware(tracker_class):
     return FrozenAwareTracker
 
 
-def _build_model(w: Workload, torch):
-    """The plan's model (with LoRA adapters) built on the meta device, then given fake CPU storage.
+def _steps(run: ResolvedRun, model, optimizer, tracker) -> None:
+    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision."""
+    import torch
 
-    Building under FakeTensorMode directly fails once PEFT moves adapters (fake parameters must be
-    swapped, and transformers holds weak references to them); tied weights stay tied.
-    """
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**w.model.to_hf_config_dict())
-    config._attn_implementation = "eager" if w.attention == "eager" else "sdpa"
-    dtype = torch.bfloat16 if w.precision == "bf16-true" else torch.float32
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if w.method == "lora":
-            import peft
-
-            targets = "all-linear" if w.lora_targets == "all-linear" else w.lora_targets.split(",")
-            lora = peft.LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets, lora_dropout=w.lora_dropout)
-            model = peft.get_peft_model(model, lora)
-    fakes: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table, wrap in ((module._parameters, True), (module._buffers, False)):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in fakes:
-                    fake = torch.empty_like(tensor, device="cpu")
-                    fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if wrap else fake
-                table[name] = fakes[id(tensor)]
-    model.train()
-    if w.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def _optimizer(w: Workload, model, torch):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if w.optimizer == "sgd":
-        return torch.optim.SGD(trainable, lr=1e-3)
-    # foreach=True is torch's default on CUDA; on CPU it would fall back to the per-tensor loop.
-    return torch.optim.AdamW(trainable, lr=1e-4, foreach=not w.fused_optimizer, fused=w.fused_optimizer or None)
-
-
-def _steps(w: Workload, model, optimizer, torch, tracker) -> None:
-    batch = torch.randint(0, w.model.vocab_size, (w.micro_batch_size, w.seq_len))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=w.precision_spec.autocast)
+    spec, batch = run.spec, run.batch
+    tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, run.config.max_seq_len))
+    autocast = torch.autocast("cpu", dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
     for _ in range(2):
         tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
         with autocast:
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
 
-def _simulate_fsdp(w: Workload, torch, FakeTensorMode):
-    """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job."""
+def _simulate_fsdp(run: ResolvedRun) -> Simulation:
+    """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
+    layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
+    import torch
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", rank=0, world_size=w.world_size, store=FakeStore())
+    from finetune import modeling
+    from finetune.optim import build_optimizer
+
+    dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
     try:
-        mesh = init_device_mesh("cpu", (w.world_size,))  # outside fake mode: the mesh needs real ranks
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = _build_model(w, torch)
-            # Accelerate's FSDP2 mixed precision: bf16 compute copies of fp32 shards, fp32 reduction
-            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            policy = mixed if w.precision_spec.autocast else MixedPrecisionPolicy()
-            for layer in _decoder_layers(model):
+        mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
+        model, fake_mode = modeling.build_skeleton(run)
+        with fake_mode:
+            compute = getattr(torch, run.precision.compute)
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            for layer in base.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
-            optimizer = _optimizer(w, model, torch)
+            # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
+            # copies of the optimizer states (the planner's step scratch accounts for foreach)
+            optimizer = build_optimizer(run.config, model, run.peak_lr)
             tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
             with tracker:
-                _steps(w, model, optimizer, torch, tracker)
+                _steps(run, model, optimizer, tracker)
             return _result(tracker)
     finally:
         dist.destroy_process_group()
-
-
-def _decoder_layers(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
 
 
 def _result(tracker) -> Simulation:
@@ -176,11 +154,12 @@ def _result(tracker) -> Simulation:
     return Simulation(peak_bytes=device_stats["Total"], terms=terms)
 
 
-def compare_text(w: Workload) -> str:
+def compare_text(run: ResolvedRun, w: Workload) -> str:
     """Simulated vs analytic per-GPU peak, term by term (allocated memory, no slack or context)."""
-    simulated = simulate(w)
+    simulated = simulate(run)
     analytic = estimate(w)
-    lines = [f"Simulated one step on fake tensors ({w.method}, {w.strategy}, {w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}):",
+    lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy_spec.label}, "
+             f"{w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}):",
              f"  {'term':<12} {'simulated':>10} {'analytic':>10}  GiB"]
     for term in ("weights", "gradients", "optimizer", "activations", "buffers"):
         lines.append(f"  {term:<12} {simulated.terms.get(term, 0) / GIB:>10.2f} {getattr(analytic, term) / GIB:>10.2f}")

@@ -1,0 +1,28 @@
+"""`finetune prepare [training flags]`: tokenize a run's data into the cache, without training.
+
+It takes the training flags (and --config): the model's tokenizer and the data options name the
+cache entry, so the training run with the same flags reads it instead of tokenizing. Before a
+large job, this tokenizes on one machine with all its CPUs (--dataset-num-proc) instead of keeping
+the job's GPUs waiting at a barrier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune import modeling
+from finetune.config import parse_config
+from finetune.data import prepare_data
+from finetune.errors import FinetuneError
+
+
+def main(argv: list[str]) -> int:
+    config = parse_config(argv)
+    if config.data_cache is not None and config.data_cache.lower() == "none":
+        raise FinetuneError("finetune prepare fills the tokenized-data cache; drop --data-cache none.")
+    source, spec = modeling.resolve_source(config)
+    if spec is not None and spec.hf_id is None:  # the same tokenizer file the training run will load
+        modeling.materialize_random_init(spec, Path(source), seed=config.seed)
+    data = prepare_data(config, modeling.load_tokenizer(source, config.trust_remote_code))
+    print(f"{len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}), {data.origin}")
+    return 0

@@ -1,0 +1,133 @@
+"""The words the planner, the trainer, checkpoints and rehearse share: precisions and strategies.
+
+One table each, so `finetune plan --precision bf16-true --strategy zero3`, the training flags the
+plan prints, the launch files it writes, the setup printout of a run and the manifest of its
+checkpoints all name the same thing the same way. No torch import: the planner stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.errors import FinetuneError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# the label of a token the loss skips (prompt, padding): PyTorch's and transformers' ignore_index
+IGNORE_INDEX = -100
+METHODS = ("full", "lora", "qlora")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch AdamW, bitsandbytes 8-bit (paged) AdamW
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a run stores and computes: the dtype weights load in, and the dtype matmuls run in.
+
+    `-mixed` loads fp32 weights (fp32 master weights, gradients and optimizer states) and computes
+    under torch.autocast; `-true` loads the weights in 16 bits and computes in 16 bits too (LoRA
+    adapters stay fp32, as PEFT creates them). Both run with the same Accelerate `mixed_precision`
+    (autocast, fp16 loss scaling, DeepSpeed's bf16/fp16 section, FSDP2's compute dtype), so a
+    launch file never has to know which of the two a run uses.
+    """
+
+    name: str
+    weights: str  # dtype the model's weights load in (torch dtype name)
+    compute: str  # dtype of matmuls and activations
+    accelerate: str  # Accelerate's mixed_precision: no | bf16 | fp16
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.weights]
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute]
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 weights under 16-bit autocast: an fp32 residual stream, and every matmul casts its input."""
+        return self.weights != self.compute
+
+    @property
+    def autocast(self) -> bool:
+        return self.accelerate != "no"
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's dtype: the embedding's (the weights'), since autocast leaves the
+        embedding lookup, the norms and the residual adds alone."""
+        return self.weight_bytes if self.autocast else self.compute_bytes
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("bf16-mixed", weights="float32", compute="bfloat16", accelerate="bf16"),
+    Precision("bf16-true", weights="bfloat16", compute="bfloat16", accelerate="bf16"),
+    Precision("fp16-mixed", weights="float32", compute="float16", accelerate="fp16"),
+    Precision("fp16-true", weights="float16", compute="float16", accelerate="fp16"),
+    Precision("fp32", weights="float32", compute="float32", accelerate="no"),
+)}
+
+
+def default_precision(method: str, bf16: bool) -> Precision:
+    """`--precision auto` on a GPU: full fine-tuning keeps fp32 master weights (-mixed); LoRA and
+    QLoRA freeze the base, so storing it in fp32 would only waste memory (-true). GPUs without bf16
+    (V100, T4) use fp16 with loss scaling."""
+    family = "bf16" if bf16 else "fp16"
+    return PRECISIONS[f"{family}-mixed" if method == "full" else f"{family}-true"]
+
+
+def check_precision(precision: Precision, method: str, strategy: str) -> None:
+    """Refuse combinations that would not run as named: fp16 weights cannot be updated stably
+    (Accelerate's loss scaler refuses to unscale fp16 gradients), and Accelerate's FSDP2 upcasts
+    16-bit trainable weights to fp32 master weights, which would make bf16-true full fine-tuning
+    silently bf16-mixed."""
+    if precision.name == "fp16-true" and method == "full":
+        raise FinetuneError(
+            "--precision fp16-true keeps the weights in fp16, which full fine-tuning cannot update stably "
+            "(fp16 gradients cannot be unscaled). Use --precision fp16-mixed (fp32 master weights) or LoRA/QLoRA."
+        )
+    if precision.name == "bf16-true" and method == "full" and strategy == "fsdp":
+        raise FinetuneError(
+            "--precision bf16-true with full fine-tuning under FSDP2: Accelerate keeps fp32 master weights for "
+            "trainable parameters under FSDP2, so the run would be bf16-mixed. Use --precision bf16-mixed."
+        )
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way to spread one training step over GPUs, with what it shards and how Accelerate names it."""
+
+    name: str  # single | ddp | fsdp | zero1 | zero2 | zero3: flags, plans, manifests
+    label: str  # what people call it
+    distributed_type: str  # Accelerate's DistributedType value (MULTI_GPU covers MULTI_CPU)
+    shards_weights: bool
+    shards_gradients: bool
+    shards_optimizer: bool
+    offloads: tuple[str, ...]  # what it can move to host RAM: none, optimizer, params
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.distributed_type == "DEEPSPEED"
+
+    @property
+    def zero_stage(self) -> int | None:
+        return int(self.name[-1]) if self.deepspeed else None
+
+
+# FSDP's CPU offload moves parameters, gradients and the optimizer step to the host together;
+# ZeRO offloads the optimizer from stage 1 and parameters at stage 3 only.
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("single", "single device", "NO", False, False, False, ("none",)),
+    Strategy("ddp", "DDP", "MULTI_GPU", False, False, False, ("none",)),
+    Strategy("fsdp", "FSDP2", "FSDP", True, True, True, ("none", "params")),
+    Strategy("zero1", "ZeRO-1", "DEEPSPEED", False, False, True, ("none", "optimizer")),
+    Strategy("zero2", "ZeRO-2", "DEEPSPEED", False, True, True, ("none", "optimizer")),
+    Strategy("zero3", "ZeRO-3", "DEEPSPEED", True, True, True, ("none", "optimizer", "params")),
+)}
+OFFLOADS = ("none", "optimizer", "params")
+
+
+def zero_strategy(stage: int, source: str) -> Strategy:
+    """The ZeRO strategy of a DeepSpeed config's `zero_optimization.stage` (`source` names the file)."""
+    if stage not in (1, 2, 3):
+        raise FinetuneError(f"{source}: zero_optimization.stage {stage} is not supported; use 1, 2 or 3.")
+    return STRATEGIES[f"zero{stage}"]
