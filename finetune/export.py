@@ -31,12 +31,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from finetune import hub
 from finetune.checkpointing import (
     HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, read_manifest,
     unsafe_pickle_globals,
 )
 from finetune.checkpointing.layout import STEP_DIR
+from finetune.gguf_export import GGUF_TYPES, export_gguf
 from finetune.library_logs import quiet_libraries
+from finetune.model_card import write_model_card
 from finetune.vocabulary import PRECISIONS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -432,6 +435,7 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype:
         write_safetensors(weights, names, out, DTYPES[dtype], max_bytes)
         _copy_hf_files(trained, out, skip={ADAPTER_CONFIG})
         _rewrite_json(out / "config.json", dtype=TORCH_DTYPE_NAMES[dtype], torch_dtype=None)
+        write_model_card(trained, out, export_format=f"safetensors ({dtype})")
         return out
 
     adapter_dir = out if not merge_lora else Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent))
@@ -447,6 +451,7 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype:
     finally:
         if merge_lora:
             shutil.rmtree(adapter_dir)
+    write_model_card(trained, out, export_format=f"safetensors ({dtype}, adapters merged)" if merge_lora else "PEFT adapter")
     return out
 
 
@@ -489,6 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="Weights dtype (default: the model config's dtype).")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file, e.g. 5GB or 500MB "
                         "(a smaller model is one model.safetensors; larger ones are numbered shards + index).")
+    parser.add_argument("--format", choices=("safetensors", "gguf"), default="safetensors",
+                        help="safetensors: a Hugging Face folder; gguf: one llama.cpp file (Llama-family models with a "
+                        "byte-level BPE tokenizer; LoRA is merged first).")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f16", help="Tensor type of --format gguf "
+                        "(norms stay f32; q8_0 keeps f16 for rows not a multiple of 32).")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="Upload the export to this Hugging Face Hub repo "
+                        "(created if missing; checked before anything is written).")
     parser.add_argument("--verbose", action="store_true", help="Also show the libraries' own logs and warnings.")
     return parser
 
@@ -497,8 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         quiet_libraries()
-    out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
-                 max_shard_size=args.max_shard_size)
+    if args.push_to_hub:
+        hub.check_can_push(args.push_to_hub)
+    if args.format == "gguf":
+        out = export_gguf(args.checkpoint, args.out, args.gguf_type)
+    else:
+        out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
+                     max_shard_size=args.max_shard_size)
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {find_trained(args.checkpoint).path} → {out}: {', '.join(files)}")
+    if args.push_to_hub:
+        print(f"uploaded to {hub.push(out, args.push_to_hub)}")
     return 0

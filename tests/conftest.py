@@ -66,6 +66,37 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>")
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+BPE_TEXT = ["The capital of France is Paris.", "What is the capital of France?", "Sort digits: 1291 gives 1129.",
+            "Multiply 8*5 and answer 40.", "A tiny byte-level tokenizer, trained on a few sentences for tests."]
+
+
+def bpe_tokenizer():
+    """A byte-level BPE tokenizer (the kind Llama 3, SmolLM and Qwen ship) trained on a few sentences,
+    with ChatML special tokens and chat template: 300 tokens, the last three special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=297, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(BPE_TEXT, trainer)
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHATML)
+
+
+def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
+    """A tiny random-init Llama (hidden 32, so every matrix fits Q8_0's 32-value blocks) with the BPE
+    tokenizer, saved as a Hugging Face folder; its embedding has 20 rows more than the tokenizer's
+    300 tokens, as padded vocabularies do."""
+    tiny_llama(seed=0, vocab_size=vocab_size).save_pretrained(folder)
+    bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
 class Run:
     """A tiny model loaded from `<output_dir>/base_model`, AdamW, a LambdaLR and Progress registered
     the way run.py registers them, with the Accelerator and Checkpointer a run builds (shared by the
