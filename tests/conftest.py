@@ -91,9 +91,38 @@ def bpe_tokenizer():
 def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
     """A tiny random-init Llama (hidden 32, so every matrix fits Q8_0's 32-value blocks) with the BPE
     tokenizer, saved as a Hugging Face folder; its embedding has 20 rows more than the tokenizer's
-    300 tokens, as padded vocabularies do."""
-    tiny_llama(seed=0, vocab_size=vocab_size).save_pretrained(folder)
+    300 tokens, as padded vocabularies do. q and k are scaled up (×8) so attention is far from uniform: with
+    init-sized weights a wrong rotary layout would hardly show in the logits."""
+    import torch
+
+    model = tiny_llama(seed=0, vocab_size=vocab_size)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(folder)
     bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bpe_lora_run(tmp_path_factory) -> Path:
+    """A folder holding `base/` (the tiny BPE Llama), `run/` (a 4-update LoRA run of it on chat data with
+    eval before and after, checkpoints at 2 and 4, the final adapter) and `merged/` (its merged export)."""
+    import json
+
+    from finetune.cli import main as cli
+
+    folder = tmp_path_factory.mktemp("bpe-lora")
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}."}]} for i in range(40)]
+    (folder / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bpe_llama_dir(folder / "base")
+    assert cli(["--model", str(folder / "base"), "--dataset", str(folder / "chat.jsonl"), "--method", "lora",
+                "--lr", "1e-2", "--warmup-steps", "0", "--max-steps", "4", "--micro-batch-size", "4",
+                "--eval-split", "0.2", "--save-every", "2", "--num-samples", "0", "--output-dir", str(folder / "run")]) == 0
+    reset_accelerate()
+    assert cli(["export", str(folder / "run"), "--out", str(folder / "merged"), "--merge-lora"]) == 0
     return folder
 
 

@@ -55,7 +55,7 @@ def test_lora_export_as_adapter_and_merged(make_run, tmp_path):
 
     adapter = export(tmp_path / "out", tmp_path / "adapter")
     assert sorted(p.name for p in adapter.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "generation_config.json", "tokenizer.json",
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "generation_config.json", "tokenizer.json",
         "tokenizer_config.json"]
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["base_model_name_or_path"]) == (4, str(tmp_path / "out" / "base_model"))
@@ -97,7 +97,7 @@ def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_ru
 
     exported = export(output_dir, tmp_path / "final")
     assert sorted(p.name for p in exported.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(exported)), logits(run.model))
 
     run.train_steps(2)  # as a resumed run preempted at step 4: its checkpoint is newer than the final model

@@ -1,0 +1,78 @@
+"""The README.md model card every export writes (from what the run recorded), and `--push-to-hub`
+refusing up front, with nothing written, when the Hub cannot be reached."""
+
+from __future__ import annotations
+
+import json
+
+from huggingface_hub import ModelCard
+import pytest
+
+from finetune.cli import main as cli
+from finetune.config import TrainConfig
+from finetune.export import export
+from finetune.metrics import read_metrics
+from finetune.model_card import RunRecord, model_card
+
+
+def card_of(folder) -> ModelCard:
+    return ModelCard.load(folder / "README.md")
+
+
+def test_card_of_a_finished_lora_run(bpe_lora_run, tmp_path):
+    run = bpe_lora_run / "run"
+    card = card_of(export(run, tmp_path / "adapter"))
+    data = card.data.to_dict()
+    assert data == {"library_name": "peft", "pipeline_tag": "text-generation", "tags": ["finetune", "lora"]}  # local base
+    summary = json.loads((run / "summary.json").read_text())
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 4]
+    text = card.text
+    assert f"LoRA of `{bpe_lora_run / 'base'}` with finetune 0.1.0, exported as PEFT adapter." in text
+    assert "| method | LoRA: r=16, alpha=32, dropout=0.0, targets all-linear |" in text
+    assert f"| data | `{bpe_lora_run / 'chat.jsonl'}` (chat; 32 train / 8 eval examples) |" in text
+    assert "| optimizer steps | 4 of 4 |" in text
+    assert f"| tokens trained on | {summary['tokens_seen']:,} |" in text
+    assert "| learning rate | 0.01 peak, cosine schedule, 0 warmup steps, adamw |" in text
+    assert f"| eval loss | {evals[0]['eval_loss']:.4g} | {evals[1]['eval_loss']:.4g} |" in text
+    assert evals[0]["eval_loss"] != evals[1]["eval_loss"]
+
+    merged = card_of(bpe_lora_run / "merged")
+    assert merged.data.library_name == "transformers" and "exported as safetensors (fp32, adapters merged)" in merged.text
+
+
+def test_card_of_a_checkpoint_stops_at_its_step(bpe_lora_run, tmp_path):
+    card = card_of(export(bpe_lora_run / "run" / "checkpoints" / "step-000002", tmp_path / "step2"))
+    assert "| optimizer steps | 2 of 4 |" in card.text
+    assert "at step 0 and step 0" in card.text  # the eval after training (step 4) came later
+
+
+def test_card_names_a_catalogued_base_its_license_and_a_hub_dataset():
+    config = TrainConfig(model="llama-3.2-1b", method="qlora", dataset="tatsu-lab/alpaca").to_dict()
+    record = RunRecord(config=config, resolved={}, step=10, tokens_seen=None, evals=[])
+    card = ModelCard(model_card(record, "GGUF (q8_0)", title="mine"))
+    assert card.data.to_dict() == {
+        "base_model": "meta-llama/Llama-3.2-1B", "datasets": ["tatsu-lab/alpaca"], "library_name": "gguf",
+        "license": "llama3.2", "pipeline_tag": "text-generation", "tags": ["finetune", "qlora", "gguf"]}
+    assert "No evaluation was recorded" in card.text and "| optimizer steps | 10 |" in card.text
+    hub = TrainConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").to_dict()
+    data = ModelCard(model_card(RunRecord(hub, {}, 1, 5, []), "safetensors (bf16)", "x")).data
+    assert (data.base_model, data.license, data.library_name) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "transformers")
+
+
+def test_push_to_hub_offline_fails_before_anything_is_written(bpe_lora_run, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert cli(["export", str(bpe_lora_run / "run"), "--out", str(out), "--push-to-hub", "me/model"]) == 2
+    assert "--push-to-hub me/model: HF_HUB_OFFLINE is set" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_push_to_hub_without_network_fails_before_anything_is_written(bpe_lora_run, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    out = tmp_path / "export"
+    assert cli(["export", str(bpe_lora_run / "run"), "--out", str(out), "--format", "gguf", "--push-to-hub", "me/model"]) == 2
+    assert "--push-to-hub me/model: cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
