@@ -270,7 +270,11 @@ def _from_pretrained(cls, source: str, **kwargs):
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed and ZeRO-3 partitioned weights count as their logical size."""
+    """(trainable, total) parameter counts; 4-bit packed and ZeRO-3 partitioned weights count as their logical size.
+
+    One count for every method: PEFT's `get_nb_trainable_parameters` exists only on a PeftModel,
+    which full fine-tuning does not have.
+    """
     trainable = total = 0
     for param in model.parameters():
         quant_state = getattr(param, "quant_state", None)

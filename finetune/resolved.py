@@ -47,8 +47,10 @@ class Launch:
         return max(1, self.world_size // self.num_machines)
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Launch:
-        """Read the variables `accelerate launch` and torchrun set for each process."""
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Launch:
+        """Read the variables `accelerate launch` and torchrun set for each process (`environ`:
+        this process's environment, looked up at call time since libraries may rebind os.environ)."""
+        environ = os.environ if environ is None else environ
         def flag(name: str) -> bool:
             return environ.get(name, "false").lower() == "true"
 

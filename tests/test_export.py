@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.checkpointing import CheckpointError
 from finetune.cli import main as cli
-from finetune.export import export, find_trained, plan_shards
+from finetune.export import export, find_trained, parse_size
 
 TOKENS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6]])
 
@@ -131,6 +131,7 @@ def test_export_after_a_run_with_the_default_save_every_0(tmp_path):
     torch.testing.assert_close(logits(merged), logits(trained), atol=1e-5, rtol=1e-5)
 
 
-def test_plan_shards_groups_in_order_under_the_limit():
-    sizes = {"a": 40, "b": 40, "c": 30, "d": 100, "e": 10}
-    assert plan_shards(sizes, 100) == [["a", "b"], ["c"], ["d"], ["e"]]
+def test_max_shard_size_reads_like_save_pretrained():
+    assert (parse_size("5GB"), parse_size("500MB"), parse_size("2GiB"), parse_size("1234")) == (5 * 10**9, 5 * 10**8, 2 * 2**30, 1234)
+    with pytest.raises(CheckpointError, match="--max-shard-size '5 gigs'"):
+        parse_size("5 gigs")

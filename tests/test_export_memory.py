@@ -55,7 +55,8 @@ def make_checkpoint(folder, config, state_dict, layout: str) -> None:
         save_file(state_dict, str(folder / "model.safetensors"))
     config.save_pretrained(folder / "hf")
     files = [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in folder.rglob("*") if p.is_file()]
-    manifest = {"step": 1, "config": {"method": "full"}, "model_weights": "all", "files": files}
+    manifest = {"step": 1, "config": {"method": "full"}, "base_model": None, "identity": {"precision": "fp32"},
+                "model_weights": "all", "files": files}
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -3,6 +3,7 @@ printout. Multi-process runs are in test_strategies_distributed.py, rehearse's p
 
 from __future__ import annotations
 
+import os
 
 import pytest
 from conftest import REPO
@@ -104,3 +105,11 @@ def test_setup_printout_names_deepspeed_source_and_offload():
         f"  DeepSpeed config: {REPO / 'ds_configs' / 'zero3_offload.json'}, resolved into deepspeed_config.json",
         "  batch: micro 4 × accumulation 2 × world 8 = global 64",
     ]
+
+
+def test_launch_reads_the_environment_as_it_is_now(monkeypatch):
+    """datasets' `map(num_proc=N)` rebinds os.environ to a copy; the launch must still see what
+    `accelerate launch` set (a default argument bound to the old object did not)."""
+    monkeypatch.setattr(os, "environ", {**os.environ, "WORLD_SIZE": "3", "ACCELERATE_USE_FSDP": "true"})
+    launch = Launch.from_environment()
+    assert (launch.world_size, launch.fsdp) == (3, True)
