@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_export import PROMPT, greedy, load_smollm2_folder  # noqa: E402
+from gguf_export import PROMPT, greedy, load_smollm2_folder
 
 
 def llama_cpp_greedy(llm, ids: list[int], new_tokens: int) -> list[int]:

@@ -44,7 +44,8 @@ def export_gguf(source: str | Path, out: str | Path, gguf_type: str = "f16") -> 
     """Export what `find_trained(source)` finds as `<out>/model-<gguf_type>.gguf` (plus the model card).
 
     Returns `out`. Raises CheckpointError (GgufExportError for an unsupported architecture or
-    tokenizer) before `out` exists.
+    tokenizer) before `out` exists; an unsupported tokenizer or full model's architecture before any
+    weights are read.
     """
     from finetune.export import export, find_trained
     from finetune.model_card import write_model_card
@@ -57,11 +58,13 @@ def export_gguf(source: str | Path, out: str | Path, gguf_type: str = "f16") -> 
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--out {out} is not empty; choose a new folder.")
     trained = find_trained(source)
+    # before the staging export (a LoRA merge loads the whole base); the merged config is checked after
+    check_gguf_support(trained.hf_config(), next((p for p in trained.hf_files if p.name == "tokenizer.json"), None))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         hf_dir = export(trained.path, staging / "hf", merge_lora=trained.method != "full")
-        check_gguf_support(hf_dir)
+        check_gguf_support(json.loads((hf_dir / "config.json").read_text()), hf_dir / "tokenizer.json")
         gguf_dir = staging / "gguf"
         gguf_dir.mkdir()
         write_gguf(hf_dir, gguf_dir / gguf_filename(gguf_type), gguf_type, name=out.name)
@@ -74,18 +77,16 @@ def export_gguf(source: str | Path, out: str | Path, gguf_type: str = "f16") -> 
     return out
 
 
-def check_gguf_support(hf_dir: Path) -> None:
-    """Raise GgufExportError naming what is supported unless the folder's architecture and tokenizer
-    have a GGUF form here."""
-    config = json.loads((hf_dir / "config.json").read_text())
+def check_gguf_support(config: dict, tokenizer_file: Path | None) -> None:
+    """Raise GgufExportError naming what is supported unless this model config (empty: not known yet)
+    and tokenizer have a GGUF form here."""
     problems = []
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if config and model_type not in ARCHITECTURES:
         problems.append(f"architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
     if (config.get("rope_scaling") or {}).get("rope_type", "default") != "default":
         problems.append(f"rope scaling {config['rope_scaling']} (supported: none)")
-    tokenizer_file = hf_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
+    if tokenizer_file is None or not tokenizer_file.is_file():
         problems.append("no tokenizer.json (a byte-level BPE tokenizer is needed)")
     else:
         tokenizer = json.loads(tokenizer_file.read_text())

@@ -81,7 +81,7 @@ def test_a_tokenizer_without_a_gguf_form_is_refused_before_anything_is_written(m
     run.train_steps(1)
     with pytest.raises(GgufExportError, match=r"tokenizer model 'WordLevel'.*supported: byte-level BPE"):
         export_gguf(tmp_path / "out", tmp_path / "exports" / "gguf")
-    assert list((tmp_path / "exports").iterdir()) == []  # neither --out nor the staging folder
+    assert not (tmp_path / "exports").exists()  # refused before the staging export
 
 
 @pytest.mark.slow  # the real SmolLM2-135M-Instruct: ~20 s to load, twice

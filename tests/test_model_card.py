@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from huggingface_hub import ModelCard
-import pytest
 
 from finetune.cli import main as cli
 from finetune.config import TrainConfig
