@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune export",
         description="Export a training checkpoint to a Hugging Face folder (sharded safetensors + config + "
-        "tokenizer), or a LoRA/QLoRA checkpoint to a PEFT adapter (merged into the base with --merge-lora).",
+        "tokenizer), or a LoRA/QLoRA checkpoint to a PEFT adapter (merged into the base with --merge-lora), or to "
+        "one GGUF file (--format gguf); with a README.md model card.",
     )
     parser.add_argument("checkpoint", help="A checkpoint folder (…/checkpoints/step-000200) or an output dir "
                         "(its final model, or its newest complete checkpoint if that is newer).")

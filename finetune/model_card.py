@@ -24,7 +24,7 @@ LICENSES = {
     "Qwen/Qwen2.5-": "apache-2.0",
     "HuggingFaceTB/SmolLM2-": "apache-2.0",
 }
-METHOD_NAMES = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA (LoRA on a 4-bit NF4 base)"}
+METHOD_NAMES = {"full": "Full fine-tuning", "lora": "LoRA", "qlora": "QLoRA (LoRA on a 4-bit NF4 base)"}
 EVAL_METRICS = {"eval_loss": "eval loss", "exact_match": "exact match (greedy)"}
 
 
