@@ -155,8 +155,9 @@ def _add_architecture(writer, config: dict, name: str, gguf_type: str) -> None:
 
 
 def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
-    """Tokens by id padded to the embedding's rows, their llama.cpp types, and what SpecialVocab reads
-    (merges, special ids, add-BOS flag, chat template), as convert_hf_to_gguf.py's get_vocab_base."""
+    """Tokens by id padded to the embedding's rows, their llama.cpp types (as convert_hf_to_gguf.py's
+    get_vocab_base), what SpecialVocab reads (merges, special ids, chat template), and whether the
+    tokenizer adds BOS/EOS."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -181,7 +182,12 @@ def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    special = gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=vocab_size)
+    # what the tokenizer does, stated explicitly: llama.cpp's default for a missing flag depends on its version
+    ids = tokenizer("x")["input_ids"]
+    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id
+    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+    special.add_to_gguf(writer, quiet=True)
 
 
 def _tensor_plan(hf_dir: Path, config: dict, gguf_type: str):

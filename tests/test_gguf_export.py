@@ -68,6 +68,7 @@ def test_gguf_file_holds_llama_cpp_metadata_tokenizer_and_types(bpe_lora_run, tm
     assert tokens[300] == "[PAD300]" and len(field["tokenizer.ggml.merges"]) > 0
     assert (field["tokenizer.ggml.eos_token_id"], field["tokenizer.ggml.padding_token_id"]) == (299, 297)
     assert field["tokenizer.chat_template"].startswith("{% for message in messages %}")
+    assert (field["tokenizer.ggml.add_bos_token"], field["tokenizer.ggml.add_eos_token"]) == (False, False)  # as the tokenizer
 
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     assert "output.weight" not in kinds  # tied to token_embd.weight, as llama.cpp expects
