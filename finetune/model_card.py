@@ -26,6 +26,10 @@ LICENSES = {
 }
 METHOD_NAMES = {"full": "Full fine-tuning", "lora": "LoRA", "qlora": "QLoRA (LoRA on a 4-bit NF4 base)"}
 EVAL_METRICS = {"eval_loss": "eval loss", "exact_match": "exact match (greedy)"}
+# the run options a card shows; "?" where a record lacks one (a manifest written by another version)
+CARD_OPTIONS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "dataset", "format",
+                "micro_batch_size", "max_seq_len", "packing", "lr", "lr_schedule", "warmup_steps", "optimizer",
+                "precision", "seed")
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,13 @@ def model_card(record: RunRecord, export_format: str, title: str) -> str:
     """The card's text: YAML front matter in the Hub's model-card format, then a Markdown body."""
     from huggingface_hub import ModelCardData
 
-    config, resolved = record.config, record.resolved
+    config, resolved = dict.fromkeys(CARD_OPTIONS, "?") | record.config, record.resolved
     base = base_model_id(config)
-    method = config["method"]
+    method = config["method"] if config["method"] in METHOD_NAMES else "full"
     gguf = export_format.startswith("GGUF")
     adapter = export_format == "PEFT adapter"
-    dataset = config.get("dataset")
-    hub_dataset = dataset if dataset and dataset.count("/") == 1 and not Path(dataset).exists() else None
+    dataset = config["dataset"] or "?"
+    hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
     data = ModelCardData(
         base_model=base, license=license_of(base), pipeline_tag="text-generation",
         library_name="gguf" if gguf else "peft" if adapter else "transformers",
@@ -103,18 +107,18 @@ def model_card(record: RunRecord, export_format: str, title: str) -> str:
         "method": METHOD_NAMES[method] + (
             f": r={config['lora_r']}, alpha={config['lora_alpha']}, dropout={config['lora_dropout']}, "
             f"targets {config['lora_targets']}" if method != "full" else ""),
-        "data": f"`{dataset}` ({resolved.get('format', config.get('format'))}; "
+        "data": f"`{dataset}` ({resolved.get('format', config['format'])}; "
                 f"{_count(resolved.get('train_examples'))} train / {_count(resolved.get('eval_examples'))} eval examples)",
         "optimizer steps": f"{record.step:,}" + (f" of {resolved['max_steps']:,}" if resolved.get("max_steps") else ""),
         "tokens trained on": _count(record.tokens_seen),
         "batch": (f"micro {config['micro_batch_size']} × accumulation {resolved.get('gradient_accumulation_steps', '?')}"
                   f" × {resolved.get('world_size', '?')} processes = {resolved.get('global_batch_size', '?')} examples"),
-        "max sequence length": f"{config['max_seq_len']:,} tokens" + (" (packed)" if config.get("packing") else ""),
-        "learning rate": f"{_number(resolved.get('peak_lr', config.get('lr')))} peak, {config['lr_schedule']} schedule, "
+        "max sequence length": f"{_count(config['max_seq_len'])} tokens" + (" (packed)" if config["packing"] is True else ""),
+        "learning rate": f"{_number(resolved.get('peak_lr', config['lr']))} peak, {config['lr_schedule']} schedule, "
                          f"{config['warmup_steps']} warmup steps, {config['optimizer']}",
-        "precision": resolved.get("precision", config.get("precision")),
+        "precision": resolved.get("precision", config["precision"]),
         "strategy": resolved.get("strategy", "?"),
-        "seed": config.get("seed"),
+        "seed": config["seed"],
     }
     lines += [f"| {k} | {v} |" for k, v in rows.items()]
     lines += ["", "## Evaluation", ""]
