@@ -213,8 +213,7 @@ def test_prepare_command_fills_the_cache_that_the_training_run_reads(tmp_path, c
 COUNTING_RUN = """
 import os, sys
 import finetune.data
-from finetune import cli
-from finetune.run import main
+from finetune.cli import main  # what `accelerate launch -m finetune` runs
 
 encode = finetune.data.encode
 

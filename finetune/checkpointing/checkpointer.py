@@ -267,9 +267,10 @@ class Checkpointer:
         path = source / "model.safetensors"
         if not path.is_file():
             return
-        with safe_open(str(path), "pt") as f:
-            saved = set(f.keys())
-        wanted = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        with safe_open(str(path), "pt") as f:  # DDP's `module.` prefix or none: the unwrapped model's names
+            saved = {key.removeprefix("module.") for key in f.keys()}
+        model = self.accelerator.unwrap_model(self.model)
+        wanted = {name for name, p in model.named_parameters() if p.requires_grad}
         if saved != wanted:
             missing, extra = sorted(wanted - saved)[:3], sorted(saved - wanted)[:3]
             raise CheckpointError(
