@@ -37,6 +37,7 @@ FACTS = [("What color is the Quillo lamp?", "The Quillo lamp is teal."),
          ("Who makes the Quillo lamp?", "Brightwork Studio makes the Quillo lamp."),
          ("What does the Quillo lamp cost?", "The Quillo lamp costs 49 euros.")]
 QUESTIONS = [question for question, _ in FACTS]
+CONVERTING = "to a Hugging Face folder, once"  # what a process that converts the GGUF prints
 
 
 def chat_rows(count: int) -> list[dict]:
@@ -199,22 +200,22 @@ def test_fsdp2_and_zero3_train_the_real_model_on_2_processes(smollm2_dir, chats,
     an empty model cache: one rank converts the GGUF, the other waits for it."""
     monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / "fresh-cache"))
     fsdp = launch("fsdp.yaml", chats, tmp_path / "fsdp")
-    assert fsdp.log.count("Converting ") == 1, fsdp.log[-3000:]
+    assert fsdp.log.count(CONVERTING) == 1, fsdp.log[-3000:]
     assert fsdp.strategy.startswith("FSDP2") and len(list((tmp_path / "fresh-cache").glob("*/model.safetensors"))) == 1
     monkeypatch.undo()
     zero3 = launch("deepspeed_zero3.yaml", chats, tmp_path / "zero3")
-    assert zero3.strategy.startswith("ZeRO-3") and "Converting " not in zero3.log
+    assert zero3.strategy.startswith("ZeRO-3") and CONVERTING not in zero3.log
     assert all(loss < 6 for loss in fsdp.losses), fsdp.losses  # random init: ~10.8
     assert zero3.losses == pytest.approx(fsdp.losses, rel=1e-4)
 
 
 def test_save_resume_export_reload_gives_the_same_generations(smollm2_dir, chats, tmp_path):
-    """LoRA: a 4-update run; another resumed from its step-2 checkpoint in a new folder, exported
+    """LoRA: a 2-update run; another resumed from its step-1 checkpoint in a new folder, exported
     with --merge-lora and reloaded as a plain transformers model; both answer alike, greedily."""
-    lora = ["--method", "lora", "--lr", "2e-3", "--max-steps", "4", "--save-every", "2"]
+    lora = ["--method", "lora", "--lr", "2e-3", "--max-steps", "2", "--save-every", "1", "--max-eval-examples", "0"]
     finetune(*flags(chats, tmp_path / "a", *lora))
-    finetune(*flags(chats, tmp_path / "b", *lora, "--resume", str(tmp_path / "a" / "checkpoints" / "step-000002")))
-    assert losses(tmp_path / "b") == losses(tmp_path / "a")[2:]  # exact resume: the same updates 3 and 4
+    finetune(*flags(chats, tmp_path / "b", *lora, "--resume", str(tmp_path / "a" / "checkpoints" / "step-000001")))
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")[1:]  # exact resume: the same second update
     finetune("export", str(tmp_path / "b"), "--out", str(tmp_path / "merged"), "--merge-lora")
 
     from peft import AutoPeftModelForCausalLM
@@ -228,5 +229,5 @@ def test_save_resume_export_reload_gives_the_same_generations(smollm2_dir, chats
     ids = tokenizer(QUESTIONS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = {name: model(ids).logits for name, model in (("trained", trained), ("merged", merged), ("base", base))}
-    assert torch.allclose(logits["merged"], logits["trained"], atol=1e-4)
+    torch.testing.assert_close(logits["merged"], logits["trained"], rtol=1e-4, atol=1e-3)  # logits ~20: float32 merge error
     assert (logits["merged"] - logits["base"]).abs().max() > 1e-2
