@@ -16,6 +16,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
+from finetune import gguf_import
 from finetune.catalog import models as catalog
 from finetune.errors import FinetuneError
 from finetune.vocabulary import METHODS, OPTIMIZERS, PRECISIONS
@@ -40,7 +41,7 @@ class TrainConfig:
     """Everything a training run needs; `run.yaml` in the output dir is this, resolved."""
 
     # model
-    model: str = _field("tiny", "Catalog name (e.g. llama-7b, tiny), Hugging Face id, or local directory.")
+    model: str = _field("tiny", "Catalog name (e.g. llama-7b, smollm2-135m, tiny), Hugging Face id, local directory, or GGUF file (converted once, cached).")
     method: str = _field("full", "Fine-tuning method.", METHODS)
     lora_r: int = _field(16, "LoRA rank.")
     lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
@@ -230,13 +231,19 @@ def validate(config: TrainConfig) -> None:
 
 
 # what --model accepts, for errors
-MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), or a model directory with config.json"
+MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a model directory with config.json, or a .gguf file"
 
 
 def _model_problem(model: str) -> str | None:
     """Why `model` names nothing a run can load (a dataset or a config.json passed by mistake, a
     directory without config.json, a catalog typo), or None when it may load."""
     path = Path(model).expanduser()
+    if gguf_import.is_gguf(model) and not path.is_dir():
+        try:
+            gguf_import.check_file(path, model)
+        except FinetuneError as e:
+            return f"{e} Expected {MODEL_FORMS}."
+        return None
     if path.is_file():
         return f"--model {model}: a file, not a model. Expected {MODEL_FORMS}."
     if path.is_dir():

@@ -1,9 +1,11 @@
-"""Load the model and tokenizer for a run: catalog name, Hugging Face id or local directory;
-full fine-tuning, LoRA or QLoRA (4-bit NF4 base + LoRA adapters).
+"""Load the model and tokenizer for a run: catalog name, Hugging Face id, local directory or GGUF
+file; full fine-tuning, LoRA or QLoRA (4-bit NF4 base + LoRA adapters).
 
 Catalog models without published weights (`tiny`) are initialised from their config with the run's
 seed and written to `<output_dir>/base_model`, then loaded through the same `from_pretrained` path as
 real checkpoints, so LoRA adapters and 4-bit quantization are exercised exactly as on a 7B model.
+GGUF files (and catalog models shipped as one, `smollm2-135m`) are converted once into a cached
+Hugging Face folder (see gguf_import) and load from there like any local model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from finetune import gguf_import
 from finetune.catalog import models as catalog
 from finetune.config import TrainConfig
 from finetune.errors import FinetuneError
@@ -25,16 +28,35 @@ from finetune.resolved import ResolvedRun
 
 
 def resolve_source(config: TrainConfig) -> tuple[str, catalog.ModelSpec | None]:
-    """Where the weights come from (local dir or Hub id) and the catalog entry, if any.
+    """Where the weights load from (local dir or Hub id) and the catalog entry, if any. Cheap: the
+    folders finetune writes itself are named here and written by `materialize`.
     `config.validate` has already refused names that are none of these."""
     if Path(config.model).is_dir():
         return config.model, None
     spec = catalog.lookup(config.model)
+    gguf = gguf_import.gguf_path(config.model)
+    if gguf is not None:
+        return str(gguf_import.cache_entry(gguf)), spec
     if spec is not None:
-        if spec.hf_id is None:
+        if spec.random_init:
             return str((Path(config.output_dir) / "base_model").resolve()), spec
         return spec.hf_id, spec
     return config.model, None  # a Hugging Face id
+
+
+def materialize(config: TrainConfig) -> str:
+    """The run's weights source (see `resolve_source`), after writing it when finetune makes it
+    itself: a catalog shape's seeded random init, or the conversion of a GGUF file. Every process
+    may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`)."""
+    source, spec = resolve_source(config)
+    if Path(config.model).is_dir():
+        return source
+    gguf = gguf_import.gguf_path(config.model)
+    if gguf is not None:
+        gguf_import.convert(gguf, Path(source))
+    elif spec is not None and spec.random_init:
+        materialize_random_init(spec, Path(source), seed=config.seed)
+    return source
 
 
 def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int,

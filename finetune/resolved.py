@@ -185,9 +185,9 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy.name)
-    return ResolvedRun(config=config, source=source, spec=spec or architecture_of(source), batch=batch,
+    return ResolvedRun(config=config, source=source, spec=spec or architecture_of(config.model), batch=batch,
                        peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload, launch=launch,
-                       deepspeed=deepspeed, random_init=spec is not None and spec.hf_id is None)
+                       deepspeed=deepspeed, random_init=spec is not None and spec.random_init)
 
 
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:
@@ -271,12 +271,12 @@ def model_hidden_size(model: str) -> int | None:
     return None
 
 
-def architecture_of(source: str) -> ModelSpec | None:
-    """The planner's ModelSpec of a local model or a Hub id whose config.json is cached; None when
+def architecture_of(model: str) -> ModelSpec | None:
+    """The planner's ModelSpec of a local model, a GGUF file or a Hub id whose config.json is cached; None when
     it cannot be read without a download or the planner cannot count that architecture."""
     from finetune.planner.query import resolve_model
 
     try:
-        return resolve_model(source)
+        return resolve_model(model)
     except FinetuneError:
         return None

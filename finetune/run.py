@@ -59,11 +59,11 @@ def train(run: ResolvedRun, device: Device) -> dict:
     config = run.config
     if device.cuda and config.fit_check:
         runplan.check_fit(run, device)  # before any weights load, and before the process group forms
-    if run.random_init:
-        # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
-        # collective, which a rank waiting at a barrier never joins. Every rank writes the same
-        # seeded weights and the first atomic rename wins.
-        modeling.materialize_random_init(run.spec, Path(run.source), seed=config.seed)
+    # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
+    # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the
+    # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
+    # others wait on its file lock.
+    modeling.materialize(config)
     accelerator = build_accelerator(run)
     batch = run.batch
     output_dir = Path(config.output_dir)

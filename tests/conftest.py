@@ -16,14 +16,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# caches of this test session, not ~/.cache: tokenized data, and models converted from GGUF
+SESSION_CACHES = {"FINETUNE_DATA_CACHE": "finetune-test-data-cache-", "FINETUNE_MODEL_CACHE": "finetune-test-model-cache-"}
+
+
 def pytest_configure(config):
-    """Tokenized data goes to a cache of this test session, not ~/.cache: set before test modules
-    copy os.environ for the processes they launch."""
-    os.environ["FINETUNE_DATA_CACHE"] = tempfile.mkdtemp(prefix="finetune-test-data-cache-")
+    """Set before test modules copy os.environ for the processes they launch."""
+    for name, prefix in SESSION_CACHES.items():
+        os.environ[name] = tempfile.mkdtemp(prefix=prefix)
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(os.environ.pop("FINETUNE_DATA_CACHE"), ignore_errors=True)
+    for name in SESSION_CACHES:
+        shutil.rmtree(os.environ.pop(name), ignore_errors=True)
 
 
 def reset_accelerate() -> None:

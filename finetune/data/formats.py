@@ -169,9 +169,11 @@ def expected_answer(row: dict, fmt: str) -> str:
 
 def _encode_chats(conversations: list[list[dict]], tokenizer, train_on_prompt: bool) -> list[tuple[list[int], list[int]]]:
     """Loss on each assistant turn: the ids between the conversation rendered up to that turn
-    with the generation prompt, and rendered through that turn. Needs a template that renders a
-    conversation prefix by prefix; it is checked on every turn. Each kind of rendering is tokenized
-    for the whole batch in one call, and a turn that ends its conversation ends where it does."""
+    with the generation prompt, and rendered through that turn, up to and including its last EOS
+    (the end-of-turn token, ChatML's <|im_end|>): what the template renders after it, such as
+    ChatML's newline, belongs to the next turn's framing, not the answer. Needs a template that
+    renders a conversation prefix by prefix; it is checked on every turn. Each kind of rendering is
+    tokenized for the whole batch in one call, and a turn that ends its conversation ends where it does."""
 
     def tokenized(prefixes: list[list[dict]], add_generation_prompt: bool) -> list[list[int]]:
         return _ids(tokenizer, _render(tokenizer, prefixes, add_generation_prompt))
@@ -185,6 +187,7 @@ def _encode_chats(conversations: list[list[dict]], tokenizer, train_on_prompt: b
     before = tokenized([conversations[row][:turn] for row, turn in turns], add_generation_prompt=True)
     through = dict(zip(inner, tokenized([conversations[row][: turn + 1] for row, turn in inner], add_generation_prompt=False)))
     labels = [[IGNORE_INDEX] * len(input_ids) for input_ids in whole]
+    eos = tokenizer.eos_token_id
     for (row, turn), start_ids in zip(turns, before):
         input_ids, end_ids = whole[row], through.get((row, turn), whole[row])
         if input_ids[: len(start_ids)] != start_ids or input_ids[: len(end_ids)] != end_ids:
@@ -193,7 +196,11 @@ def _encode_chats(conversations: list[list[dict]], tokenizer, train_on_prompt: b
                 "the assistant turns cannot be located for prompt masking. Use --train-on-prompt, or "
                 "convert the data to the alpaca format."
             )
-        labels[row][len(start_ids) : len(end_ids)] = input_ids[len(start_ids) : len(end_ids)]
+        start, end = len(start_ids), len(end_ids)
+        answer = input_ids[start:end]
+        if eos in answer:
+            end = start + len(answer) - answer[::-1].index(eos)
+        labels[row][start:end] = input_ids[start:end]
     return list(zip(whole, labels))
 
 

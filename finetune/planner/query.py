@@ -1,13 +1,15 @@
 """Free-text queries ("llama-70b qlora on 2×RTX 4090, seq 4096") → planner request fields, and
-model names / config.json paths → ModelSpec, without torch or network.
+model names / config.json paths / GGUF files → ModelSpec, without torch or network.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
+from finetune import gguf_import
 from finetune.catalog import gpus as gpu_catalog
 from finetune.catalog import models as model_catalog
 from finetune.catalog.models import ModelSpec
@@ -15,7 +17,7 @@ from finetune.errors import FinetuneError
 from finetune.vocabulary import PRECISIONS
 
 # what `finetune plan --model` accepts, for errors
-MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, or a config.json path"
+MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, a config.json path, or a .gguf file"
 # config.json model_types whose decoder layer has the Llama layout the planner counts.
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite"}
 # config.json fields the planner counts with; each must be a positive integer where present
@@ -168,12 +170,15 @@ def _reject_unknown_model(text: str) -> None:
 
 def resolve_model(name: str) -> ModelSpec:
     """A catalog name, a Hub id (catalog, or config.json in the local Hugging Face cache), a local
-    directory or a config.json path → ModelSpec. Never downloads.
+    directory, a config.json path or a GGUF file (its metadata) → ModelSpec. Never downloads.
     """
     spec = model_catalog.lookup(name)
     if spec is not None:
         return spec
     path = Path(name).expanduser()
+    if gguf_import.is_gguf(name) and not path.is_dir():
+        gguf_import.check_file(path, name)
+        return replace(spec_from_config(gguf_import.hf_config(path), name), gguf_file=str(path.resolve()))
     if path.exists():
         return spec_from_config(model_catalog.read_local_config(path, MODEL_FORMS), name)
     if model_catalog.looks_like_path(name):
