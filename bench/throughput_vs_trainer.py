@@ -8,7 +8,8 @@ most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointin
 - finetune: `python -m finetune ...` as a user types it (its run path, subprocess); its own
   metrics.jsonl (`--log-every 1`) gives each update's tokens and seconds.
 - Trainer: the rows finetune tokenized (same ids, same masks), `DataCollatorForSeq2Seq` padding
-  right; plain, and with `group_by_length=True` (batches of similar lengths, less padding).
+  right; plain (random order), and with `train_sampling_strategy="group_by_length"` (batches of
+  similar lengths, less padding).
 - SFTTrainer: the raw chats as prompt/completion conversations (its own chat-template tokenization,
   loss on the completion), `padding_free=True` (each batch flattened into one row, no padding);
   its defaults bf16 and gradient checkpointing are turned off to match.
@@ -109,16 +110,16 @@ def common_arguments(out: str, steps: int) -> dict:
             "fp16": False, "gradient_checkpointing": False, "seed": 0}
 
 
-def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, group_by_length: bool) -> tuple[float, str]:
+def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[float, str]:
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     tokenizer.padding_side = "right"
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(**common_arguments(out, warmup + steps), group_by_length=group_by_length)
+        args = TrainingArguments(**common_arguments(out, warmup + steps), train_sampling_strategy=sampling)
         trainer = Trainer(model=lora_model(source), args=args, train_dataset=rows,
                           data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
         rate = tokens_per_second(trainer, warmup)
-    return rate, "finetune's tokenized rows, DataCollatorForSeq2Seq" + (", group_by_length" if group_by_length else "")
+    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}"
 
 
 def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[float, str]:
@@ -129,7 +130,8 @@ def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tu
     rows = chats.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
                      remove_columns=["messages"])
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(**common_arguments(out, warmup + steps), max_length=MAX_SEQ_LEN, padding_free=True,
+        # padding_free without packing refuses max_length (it would not enforce it): every row is shorter anyway
+        args = SFTConfig(**common_arguments(out, warmup + steps), max_length=None, padding_free=True,
                          completion_only_loss=True)
         trainer = SFTTrainer(model=lora_model(source), args=args, train_dataset=rows, processing_class=tokenizer)
         rate = tokens_per_second(trainer, warmup)
@@ -150,8 +152,8 @@ def main() -> None:
         rows = data.train.with_format(None)
         results = {
             "finetune": finetune_tokens_per_second(args.steps, args.warmup),
-            "transformers Trainer": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, False),
-            "Trainer, group_by_length": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, True),
+            "transformers Trainer": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
+            "Trainer, group_by_length": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "group_by_length"),
             "TRL SFTTrainer": sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
         }
     import transformers
