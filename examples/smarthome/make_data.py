@@ -7,7 +7,7 @@ temperatures in °C as numbers, durations in seconds). SmolLM2-135M-Instruct has
 so before fine-tuning it answers in prose or with made-up JSON; exact match measures whether it
 learnt the schema. Deterministic: the same seed writes the same files.
 
-    python examples/smarthome/make_data.py [--train 400] [--test 50] [--seed 0]
+    python examples/smarthome/make_data.py [--train 400] [--test 50] [--seed 0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -97,14 +97,15 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=400)
     parser.add_argument("--test", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="folder to write (default: beside this file)")
     args = parser.parse_args()
     rng, seen = random.Random(args.seed), set()
     test = make_rows(args.test, rng, seen)  # held out first: no test request is ever a train request
     train = make_rows(args.train, rng, seen)
-    here = Path(__file__).parent
+    args.out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("test", test)):
-        (here / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        print(f"{here / name}.jsonl: {len(rows)} rows")
+        (args.out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"{args.out / name}.jsonl: {len(rows)} rows")
 
 
 if __name__ == "__main__":
