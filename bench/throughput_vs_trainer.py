@@ -18,7 +18,7 @@ Throughput = tokens the model reads (padding excluded) / seconds spent in optimi
 `--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
 update done (finetune's loop clock; `on_step_begin` → `on_step_end` for the Trainers).
 
-    python bench/throughput_vs_trainer.py [--steps 8] [--warmup 2]
+    python bench/throughput_vs_trainer.py [--steps 8] [--warmup 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -142,6 +142,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer updates per tool")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates first")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the tools, every other one in reverse "
+                        "order so that drift in machine load hits each tool alike; the table shows the median")
     args = parser.parse_args()
 
     source = modeling.materialize(TrainConfig(model=MODEL))
@@ -150,24 +152,33 @@ def main() -> None:
         data = prepare_data(TrainConfig(model=MODEL, dataset=str(DATASET), eval_split="test", max_seq_len=MAX_SEQ_LEN,
                                         data_cache=cache), tokenizer)
         rows = data.train.with_format(None)
-        results = {
-            "finetune": finetune_tokens_per_second(args.steps, args.warmup),
-            "transformers Trainer": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
-            "Trainer, group_by_length": trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "group_by_length"),
-            "TRL SFTTrainer": sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
+        tools = {
+            "finetune": lambda: finetune_tokens_per_second(args.steps, args.warmup),
+            "transformers Trainer": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
+            "Trainer, group_by_length": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup,
+                                                                          "group_by_length"),
+            "TRL SFTTrainer": lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
         }
+        rates, settings, loads = {name: [] for name in tools}, {}, []
+        for round_ in range(args.rounds):
+            for name in list(tools)[:: -1 if round_ % 2 else 1]:
+                rate, settings[name] = tools[name]()
+                rates[name].append(rate)
+                loads.append(os.getloadavg()[0])
     import transformers
     import trl
 
     mean_len = statistics.mean(len(ids) for ids in rows["input_ids"])
     print(f"LoRA r16 all-linear, {MODEL}, fp32, micro batch {MICRO_BATCH}, max {MAX_SEQ_LEN} tokens (mean row "
-          f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}; torch {torch.__version__} threads "
-          f"{torch.get_num_threads()}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"load {os.getloadavg()[0]:.1f}")
-    ours = results["finetune"][0]
-    print(f"{'tool':28}{'tokens/s':>10}{'finetune ×':>12}  settings")
-    for name, (rate, settings) in results.items():
-        print(f"{name:28}{rate:>10.1f}{ours / rate:>11.2f}×  {settings}")
+          f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds; torch "
+          f"{torch.__version__} threads {torch.get_num_threads()}, transformers {transformers.__version__}, trl "
+          f"{trl.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
+    ours = statistics.median(rates["finetune"])
+    print(f"{'tool':26}{'tokens/s':>10}{'finetune ×':>12}  {'each round':18}settings")
+    for name, measured in rates.items():
+        rate = statistics.median(measured)
+        rounds = " ".join(f"{r:.1f}" for r in measured)
+        print(f"{name:26}{rate:>10.1f}{ours / rate:>11.2f}×  {rounds:18}{settings[name]}")
 
 
 if __name__ == "__main__":
