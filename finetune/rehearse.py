@@ -90,10 +90,13 @@ def shrunk_model_config(config: TrainConfig):
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from finetune import modeling
+    from finetune import gguf_import, modeling
     from finetune.data import BUILTIN_DIR
 
     source, spec = modeling.resolve_source(config)
+    gguf = gguf_import.gguf_path(config.model)
+    if spec is None and gguf is not None:  # a .gguf path: its config is the converted folder's, written once
+        gguf_import.convert(gguf, Path(source))
     try:
         original = (spec.to_hf_config_dict() if spec is not None else
                     AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code).to_dict())

