@@ -141,7 +141,7 @@ def train(run: ResolvedRun, device: Device) -> dict:
         "steps": progress.step, "tokens_seen": progress.tokens_seen,
         "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
         "exact_match_before": before.get("exact_match"), "exact_match_after": after.get("exact_match"),
-        "samples": after.get("samples", [])[: config.num_samples],
+        "samples": samples_before_after(before, after)[: config.num_samples],
     }
     if accelerator.is_main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -197,6 +197,12 @@ def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+def samples_before_after(before: dict, after: dict) -> list[dict]:
+    """Each eval prompt's greedy answer after training (`generated`) beside the one before (`before`):
+    both evaluations ask the same prompts in the same order."""
+    return [{**a, "before": b["generated"]} for a, b in zip(after.get("samples", []), before.get("samples", []))]
+
+
 def format_summary(summary: dict) -> str:
     if summary["eval_loss_before"] is None:
         return f"\n{summary['steps']} optimizer steps; no evaluation"
@@ -205,5 +211,6 @@ def format_summary(summary: dict) -> str:
     if summary["exact_match_before"] is not None:
         lines.append(f"{'exact match (greedy)':24}{summary['exact_match_before']:>10.1%}{summary['exact_match_after']:>10.1%}")
     for sample in summary["samples"]:
-        lines += ["", sample["prompt"] + sample["generated"], f"  (expected: {sample['expected']!r})"]
+        lines += ["", sample["prompt"].rstrip(), f"  before:   {sample['before']!r}",
+                  f"  after:    {sample['generated']!r}", f"  expected: {sample['expected']!r}"]
     return "\n".join(lines)

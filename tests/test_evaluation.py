@@ -72,6 +72,24 @@ def test_other_data_gets_eval_loss_and_generates_only_when_asked(tmp_path, arith
     assert "exact match (greedy)" in run.format_summary(summary)
 
 
+def test_samples_show_the_answer_before_and_after_training(tmp_path, arithmetic, monkeypatch):
+    answers = []  # what each greedy pass returned: before training, then after
+    greedy = loop.greedy_completions
+
+    def recording(*args, **kwargs):
+        answers.append(greedy(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(loop, "greedy_completions", recording)
+    summary, _ = train(tmp_path, "--dataset", arithmetic, "--eval-split", "0.2", "--eval-generate", "2", "--num-samples", "2")
+    assert len(answers) == 2 and len(summary["samples"]) == 2
+    for index, sample in enumerate(summary["samples"]):
+        assert (sample["before"], sample["generated"]) == (answers[0][index], answers[1][index])
+    shown = run.format_summary(summary)
+    sample = summary["samples"][1]
+    assert f"  before:   {sample['before']!r}\n  after:    {sample['generated']!r}\n  expected: {sample['expected']!r}" in shown
+
+
 def test_generation_defaults_on_for_the_builtin_dataset_only():
     assert run.generated_prompts(TrainConfig(), available=200) == 200
     assert run.generated_prompts(TrainConfig(dataset="my.jsonl"), available=200) == 0

@@ -1,0 +1,185 @@
+"""Training tokens/s on a real model: finetune vs transformers' Trainer vs TRL's SFTTrainer.
+
+What users would otherwise run for the same job, side by side in one process run: LoRA (r 16,
+alpha 32, all linear layers) on SmolLM2-135M-Instruct (`--model smollm2-135m`), the same rows
+(examples/smarthome/train.jsonl, loss on the assistant answer only), micro batch 8, sequences of at
+most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointing, one process, CPU.
+
+- finetune: `python -m finetune ...` as a user types it (its run path, subprocess); its own
+  metrics.jsonl (`--log-every 1`) gives each update's tokens and seconds.
+- Trainer: the rows finetune tokenized (same ids, same masks), `DataCollatorForSeq2Seq` padding
+  right; plain (random order), and with `train_sampling_strategy="group_by_length"` (batches of
+  similar lengths, less padding).
+- SFTTrainer: the raw chats as prompt/completion conversations (its own chat-template tokenization,
+  loss on the completion), `padding_free=True` (each batch flattened into one row, no padding);
+  its defaults bf16 and gradient checkpointing are turned off to match.
+
+Throughput = tokens the model reads (padding excluded) / seconds spent in optimizer updates after
+`--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
+update done (finetune's loop clock; `on_step_begin` → `on_step_end` for the Trainers).
+
+    python bench/throughput_vs_trainer.py [--steps 8] [--warmup 2] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from finetune import modeling
+from finetune.config import TrainConfig
+from finetune.data import prepare_data
+
+MODEL = "smollm2-135m"
+DATASET = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
+MICRO_BATCH, MAX_SEQ_LEN, LR = 8, 128, 1e-3
+
+
+def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[float, str]:
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "finetune", "--model", MODEL, "--method", "lora", "--dataset", str(DATASET),
+                   "--eval-split", "test", "--max-eval-examples", "0", "--micro-batch-size", str(MICRO_BATCH),
+                   "--max-seq-len", str(MAX_SEQ_LEN), "--precision", "fp32", "--lr", str(LR), "--max-steps",
+                   str(warmup + steps), "--log-every", "1", "--no-save-final", "--output-dir", out]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "loss" in r]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps_, steps_)]  # cumulative → per update
+    timed = list(zip(tokens, steps_))[warmup:]
+    seconds = sum(n / r["tokens_per_second"] for n, r in timed)
+    return sum(n for n, _ in timed) / seconds, "python -m finetune (its metrics.jsonl)"
+
+
+class CountingCollator:
+    """A collator that notes how many real tokens each batch holds, in the order batches are made."""
+
+    def __init__(self, collate):
+        self.collate, self.tokens = collate, []
+
+    def __call__(self, rows):
+        batch = self.collate(rows)
+        mask = batch.get("attention_mask")
+        self.tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
+        return batch
+
+
+def lora_model(source: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def tokens_per_second(trainer, warmup: int) -> float:
+    """Train with `trainer` and return the tokens/s of its updates after the first `warmup`."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.seconds = []
+
+        def on_step_begin(self, args, state, control, **_):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **_):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    clock = Clock()
+    trainer.add_callback(clock)
+    trainer.data_collator = counter = CountingCollator(trainer.data_collator)  # read when train() builds its loader
+    trainer.train()
+    return sum(counter.tokens[warmup:len(clock.seconds)]) / sum(clock.seconds[warmup:])
+
+
+def common_arguments(out: str, steps: int) -> dict:
+    """TrainingArguments (and SFTConfig) settings shared by both Trainers: the run finetune makes."""
+    return {"output_dir": out, "per_device_train_batch_size": MICRO_BATCH, "max_steps": steps, "learning_rate": LR,
+            "max_grad_norm": 1.0, "optim": "adamw_torch", "logging_steps": 10**9, "save_strategy": "no",
+            "report_to": [], "use_cpu": True, "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
+            "fp16": False, "gradient_checkpointing": False, "seed": 0}
+
+
+def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[float, str]:
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    tokenizer.padding_side = "right"
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(**common_arguments(out, warmup + steps), train_sampling_strategy=sampling)
+        trainer = Trainer(model=lora_model(source), args=args, train_dataset=rows,
+                          data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+        rate = tokens_per_second(trainer, warmup)
+    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}"
+
+
+def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[float, str]:
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    chats = datasets.load_dataset("json", data_files=str(DATASET / "train.jsonl"), split="train")
+    rows = chats.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
+                     remove_columns=["messages"])
+    with tempfile.TemporaryDirectory() as out:
+        # padding_free without packing refuses max_length (it would not enforce it): every row is shorter anyway
+        args = SFTConfig(**common_arguments(out, warmup + steps), max_length=None, padding_free=True,
+                         completion_only_loss=True)
+        trainer = SFTTrainer(model=lora_model(source), args=args, train_dataset=rows, processing_class=tokenizer)
+        rate = tokens_per_second(trainer, warmup)
+    return rate, "prompt/completion chats tokenized by TRL, padding_free, completion-only loss"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer updates per tool")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed updates first")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the tools, every other one in reverse "
+                        "order so that drift in machine load hits each tool alike; the table shows the median")
+    args = parser.parse_args()
+
+    source = modeling.materialize(TrainConfig(model=MODEL))
+    tokenizer = modeling.load_tokenizer(source, trust_remote_code=False)
+    with tempfile.TemporaryDirectory() as cache:
+        data = prepare_data(TrainConfig(model=MODEL, dataset=str(DATASET), eval_split="test", max_seq_len=MAX_SEQ_LEN,
+                                        data_cache=cache), tokenizer)
+        rows = data.train.with_format(None)
+        tools = {
+            "finetune": lambda: finetune_tokens_per_second(args.steps, args.warmup),
+            "transformers Trainer": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
+            "Trainer, group_by_length": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup,
+                                                                          "group_by_length"),
+            "TRL SFTTrainer": lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
+        }
+        rates, settings, loads = {name: [] for name in tools}, {}, []
+        for round_ in range(args.rounds):
+            for name in list(tools)[:: -1 if round_ % 2 else 1]:
+                rate, settings[name] = tools[name]()
+                rates[name].append(rate)
+                loads.append(os.getloadavg()[0])
+    import transformers
+    import trl
+
+    mean_len = statistics.mean(len(ids) for ids in rows["input_ids"])
+    print(f"LoRA r16 all-linear, {MODEL}, fp32, micro batch {MICRO_BATCH}, max {MAX_SEQ_LEN} tokens (mean row "
+          f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds; torch "
+          f"{torch.__version__} threads {torch.get_num_threads()}, transformers {transformers.__version__}, trl "
+          f"{trl.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
+    ours = statistics.median(rates["finetune"])
+    print(f"{'tool':26}{'tokens/s':>10}{'finetune ×':>12}  {'each round':18}settings")
+    for name, measured in rates.items():
+        rate = statistics.median(measured)
+        rounds = " ".join(f"{r:.1f}" for r in measured)
+        print(f"{name:26}{rate:>10.1f}{ours / rate:>11.2f}×  {rounds:18}{settings[name]}")
+
+
+if __name__ == "__main__":
+    main()
