@@ -16,10 +16,10 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import REPO
 from transformers import AutoTokenizer
 
 import finetune.data
+from conftest import REPO
 from finetune import cli
 from finetune.config import TrainConfig
 from finetune.data import BUILTIN_DIR, cache, prepare_data, tokenize_processes
@@ -113,7 +113,8 @@ def _change_library(config, tokenizer, tmp_path, monkeypatch):
 
 OPTION_CHANGES = {"dataset": None, "format": "alpaca", "train_on_prompt": True, "max_seq_len": 128, "packing": True,
                   "eval_split": "0.5", "max_eval_examples": 2, "seed": 1}
-INGREDIENTS = {"rows": _change_rows, "vocabulary": _change_vocabulary, "chat template": _change_chat_template, "code": _change_code, "library": _change_library}
+INGREDIENTS = {"rows": _change_rows, "vocabulary": _change_vocabulary, "chat template": _change_chat_template,
+               "code": _change_code, "library": _change_library}
 
 
 @pytest.mark.parametrize("ingredient", [*INGREDIENTS, *OPTION_CHANGES])
@@ -193,7 +194,8 @@ def test_cache_location_and_unwritable_cache(tmp_path, tokenizer, monkeypatch):
     assert cache.cache_root("none") is None
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(FinetuneError, match=r"Could not write tokenized data to .*file/cache.*--data-cache none"):
-        prepare_data(TrainConfig(dataset=str(write_rows(tmp_path / "a.jsonl", ROWS)), data_cache=str(tmp_path / "file" / "cache")), tokenizer)
+        rows = write_rows(tmp_path / "a.jsonl", ROWS)
+        prepare_data(TrainConfig(dataset=str(rows), data_cache=str(tmp_path / "file" / "cache")), tokenizer)
 
 
 @pytest.mark.slow  # a training run: ~15 s here

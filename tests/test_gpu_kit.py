@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 KIT = REPO / "bench/gpu"

@@ -211,7 +211,8 @@ def measured(row: Row, work: Path, data: Path, output_dir: Path, deadline: float
 
 
 def summary_line(r: dict) -> str:
-    row = f"{r['model']:<13} {r['method']:<5} seq {r['seq_len']:<4} mbs {r['micro_batch_size']} ckpt {'y' if r['gradient_checkpointing'] else 'n'}"
+    checkpointing = "y" if r["gradient_checkpointing"] else "n"
+    row = f"{r['model']:<13} {r['method']:<5} seq {r['seq_len']:<4} mbs {r['micro_batch_size']} ckpt {checkpointing}"
     if "predicted_allocated_gib" not in r:
         return f"{row}  [{r['status']}]"
     predicted = f"predicted {r['predicted_allocated_gib']:6.2f} GiB alloc, {r['predicted_tokens_per_second']:>9,.0f} tok/s"
@@ -243,7 +244,7 @@ def write_results(results: list[dict], out: Path, header: str) -> None:
     for r in results:
         ok = r["status"] == "ok"
 
-        def pair(measured_key: str, predicted_key: str, form: str) -> str:
+        def pair(measured_key: str, predicted_key: str, form: str, r: dict = r, ok: bool = ok) -> str:
             got = format(r[measured_key], form) if ok else "–"
             return f"{got} / {format(r[predicted_key], form)}" if predicted_key in r else got
 

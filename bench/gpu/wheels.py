@@ -93,7 +93,8 @@ def download(dest: Path, python: str = PYTHON) -> list[Path]:
         if any(distribution(p) == re.sub(r"[-_.]+", "-", name).lower() for p in dest.glob("*.whl")):
             continue
         if name == "deepspeed":  # sdist only: build the pure-Python wheel without compiling ops
-            command = ["pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed", wheel.requirement, "-w", str(dest)]
+            command = ["pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed",
+                       wheel.requirement, "-w", str(dest)]
             env = os.environ | {"DS_BUILD_OPS": "0"}
         else:
             command = ["pip", "download", "-q", "--no-deps", "--only-binary=:all:", *target, wheel.requirement, "-d", str(dest)]

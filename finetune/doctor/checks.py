@@ -42,8 +42,9 @@ def check_gpus(m: Machine) -> list[Finding]:
     visible = m.cuda_visible_devices
     if not m.gpus:
         hidden = m.gpus_on_machine and visible is not None
+        why = f" (CUDA_VISIBLE_DEVICES={visible!r} hides the {m.gpus_on_machine} GPUs nvidia-smi shows)" if hidden else ""
         return [Finding("gpus", "warn" if hidden else "info",
-                        f"no CUDA GPU visible{f' (CUDA_VISIBLE_DEVICES={visible!r} hides the {m.gpus_on_machine} GPUs nvidia-smi shows)' if hidden else ''}: "
+                        f"no CUDA GPU visible{why}: "
                         "`python -m finetune` trains on the CPU in fp32, and several processes (torchrun, accelerate launch) "
                         "talk over gloo instead of NCCL; fine for `finetune rehearse`, far too slow for a 7B run",
                         "unset CUDA_VISIBLE_DEVICES" if hidden else "")]
@@ -73,7 +74,8 @@ def check_versions(m: Machine) -> list[Finding]:
     if not m.gpus:
         build = "a CPU-only build" if torch_cuda in (None, "None") else f"built for CUDA {torch_cuda}"
         return [Finding("versions", "info", f"torch {m.versions.get('torch')} ({build}), no GPU in use")]
-    detail = f"driver {m.driver} (supports CUDA ≤ {m.driver_cuda}), torch {m.versions.get('torch')} built for CUDA {torch_cuda}, NCCL {m.nccl}"
+    detail = (f"driver {m.driver} (supports CUDA ≤ {m.driver_cuda}), torch {m.versions.get('torch')} built for CUDA {torch_cuda}, "
+              f"NCCL {m.nccl}")
     if m.driver_cuda and torch_cuda and torch_cuda != "None":
         built, supported = _major_minor(torch_cuda), _major_minor(m.driver_cuda)
         if built[0] > supported[0]:
@@ -130,14 +132,16 @@ def check_nccl_env(m: Machine) -> list[Finding]:
                                     f"(have: {', '.join(m.interfaces) or 'none'}): NCCL cannot bootstrap and the job hangs",
                                     "set NCCL_SOCKET_IFNAME to the interface on the cluster network (`ip -br addr`), or unset it"))
         else:
-            findings.append(Finding("nccl env", "ok", f"NCCL_SOCKET_IFNAME={wanted} → {', '.join(matching_interfaces(wanted, m.interfaces))}"))
+            interfaces = ", ".join(matching_interfaces(wanted, m.interfaces))
+            findings.append(Finding("nccl env", "ok", f"NCCL_SOCKET_IFNAME={wanted} → {interfaces}"))
     debug = env.get("NCCL_DEBUG", "").upper()
     if debug == "TRACE":
         findings.append(Finding("nccl env", "warn", "NCCL_DEBUG=TRACE logs every call and slows training",
                                 "use NCCL_DEBUG=INFO to see the transports chosen, WARN for training"))
     elif not debug:
         findings.append(Finding("nccl env", "info", "NCCL_DEBUG unset",
-                                "when a run hangs or is slow, rerun with NCCL_DEBUG=INFO to see the transport NCCL picks (NVLink, P2P, SHM, NET)"))
+                                "when a run hangs or is slow, rerun with NCCL_DEBUG=INFO to see the transport NCCL picks "
+                                "(NVLink, P2P, SHM, NET)"))
     others = sorted(set(env) - set(NCCL_VARIABLES))
     if others:
         findings.append(Finding("nccl env", "info", "also set: " + ", ".join(f"{name}={env[name]}" for name in others)))

@@ -36,7 +36,8 @@ def diagnose(output_dir: str, bandwidth: bool = True, all_reduce_bytes: list[int
             try:
                 timings = spawn_all_reduce(len(mine.gpus), list(all_reduce_bytes or ALL_REDUCE_BYTES["nccl"]), "nccl")
             except Exception as e:  # a broken NCCL setup is a finding, not a crash of the doctor
-                broken = Finding("bandwidth", "fail", f"the all-reduce over {len(mine.gpus)} GPUs failed: {str(e).strip().splitlines()[-1]}",
+                reason = str(e).strip().splitlines()[-1]
+                broken = Finding("bandwidth", "fail", f"the all-reduce over {len(mine.gpus)} GPUs failed: {reason}",
                                  "rerun with NCCL_DEBUG=INFO; check the NCCL and topology findings")
     findings = merge_findings({m.rank: check_machine(m) for m in machines})
     if world > 1:

@@ -36,7 +36,8 @@ class Linear:
 
 def layer_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """The linears of one decoder layer, in forward order."""
-    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.resolved_head_dim, spec.num_kv_heads * spec.resolved_head_dim, spec.intermediate_size
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.resolved_head_dim, spec.num_kv_heads * spec.resolved_head_dim
     attention = (
         Linear("q_proj", h, q, spec.attention_bias),
         Linear("k_proj", h, kv, spec.attention_bias),

@@ -130,7 +130,8 @@ def parse_query(text: str) -> dict:
     if strategy:
         word = strategy.group(1)
         fields["strategy"] = f"zero{strategy.group(2)}" if strategy.group(2) else word.rstrip("2")
-    offload = re.search(r"(optimizer|param(?:eter)?s?)[\s\-_]*offload|offload(?:ing)?[\s\-_]*(?:the[\s\-_]*)?(optimizer|param(?:eter)?s?)", low)
+    offload = re.search(r"(optimizer|param(?:eter)?s?)[\s\-_]*offload"
+                        r"|offload(?:ing)?[\s\-_]*(?:the[\s\-_]*)?(optimizer|param(?:eter)?s?)", low)
     if offload:
         word = offload.group(1) or offload.group(2)
         fields["offload"] = "optimizer" if word == "optimizer" else "params"

@@ -94,7 +94,8 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
             f"{cost:,.0f}" if cost is not None else "-",
         ))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines += ["  ".join(cell.rjust(width) if c >= 4 else cell.ljust(width) for c, (cell, width) in enumerate(zip(row, widths))) for row in rows]
+    lines += ["  ".join(cell.rjust(width) if c >= 4 else cell.ljust(width) for c, (cell, width) in enumerate(zip(row, widths)))
+              for row in rows]
     lines.append("")
     if recommended is None:
         lines.append(f"Nothing fits on {world}× {gpu.name}. Closest:")
