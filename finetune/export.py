@@ -28,21 +28,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
+
+import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
 from finetune import hub
 from finetune.checkpointing import (
-    HF_DIR,
-    MANIFEST,
-    CheckpointError,
-    checkpoints_dir,
-    complete_checkpoints,
-    find_checkpoint,
-    read_manifest,
+    HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, read_manifest,
     unsafe_pickle_globals,
 )
 from finetune.checkpointing.layout import STEP_DIR

@@ -34,8 +34,8 @@ from finetune import deepspeed_json
 from finetune.catalog import gpus
 from finetune.config import EVERY_OPTION, TrainConfig, base_lr, parse_command, resolve_batch_shape, save_yaml, scaled_lr
 from finetune.errors import FinetuneError
-from finetune.library_logs import quiet_libraries
 from finetune.metrics import read_metrics
+from finetune.library_logs import quiet_libraries
 from finetune.resolved import LAUNCH_DEEPSPEED, Device, Launch, ResolvedRun, resolve_run
 from finetune.strategies import free_port
 from finetune.vocabulary import STRATEGIES

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 ALPACA_ROW = {"instruction": "Add.", "input": "2+3", "output": "5"}

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from finetune.config import ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape, save_yaml, scaled_lr
+from finetune.config import (ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
+                             save_yaml, scaled_lr)
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):

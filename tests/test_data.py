@@ -16,9 +16,9 @@ from finetune.catalog.models import get
 from finetune.config import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
 from finetune.data.builtin import CHARACTERS, DATASET_FILE, NUM_ROWS, TASKS, write_builtin
+from finetune.vocabulary import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt
 from finetune.errors import FinetuneError
-from finetune.vocabulary import IGNORE_INDEX
 
 ALPACA_ROWS = [
     {"instruction": "Add.", "input": "2+3", "output": "5"},

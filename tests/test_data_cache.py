@@ -16,10 +16,10 @@ from pathlib import Path
 
 import datasets
 import pytest
+from conftest import REPO
 from transformers import AutoTokenizer
 
 import finetune.data
-from conftest import REPO
 from finetune import cli
 from finetune.config import TrainConfig
 from finetune.data import BUILTIN_DIR, cache, prepare_data, tokenize_processes

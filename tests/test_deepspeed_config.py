@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO
+
 from finetune import deepspeed_json
 from finetune.checkpointing.identity import resume_identity
 from finetune.config import BatchShape, ConfigError, TrainConfig, parse_command

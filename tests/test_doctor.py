@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from finetune.bandwidth import AllReduceTiming, spawn_all_reduce
-from finetune.cli import main as cli_main
 from finetune.doctor import checks
 from finetune.doctor.command import merge_findings
 from finetune.doctor.probe import Machine, parse_topology
+from finetune.bandwidth import AllReduceTiming, spawn_all_reduce
+from finetune.cli import main as cli_main
 from finetune.strategies import free_port
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.1, "capability": "9.0", "bf16": True}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+
 from finetune.data.formats import check_rows, detect_format
 from finetune.data.sources import load_splits
 

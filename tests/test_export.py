@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import word_tokenizer
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import word_tokenizer
 from finetune.checkpointing import CheckpointError
 from finetune.cli import main as cli
 from finetune.export import export, find_trained, parse_size

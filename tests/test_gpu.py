@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 import torch
 from safetensors.torch import load_file
-
-from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench/gpu"))
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
-from conftest import reset_accelerate, tiny_llama
 from finetune import loop
-from finetune.config import TrainConfig
 from finetune.data import Collator
 from finetune.metrics import MetricsRecorder, read_metrics
+from finetune.config import TrainConfig
 from finetune.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
 from finetune.run import resolve
 from finetune.strategies import build_accelerator

@@ -10,6 +10,7 @@ import sys
 import time
 
 from conftest import REPO
+
 from finetune import preflight, slurm
 from finetune.config import TrainConfig
 from finetune.rehearse import write_shrunk_model

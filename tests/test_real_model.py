@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors import safe_open
 from test_strategies_distributed import STEPS, retrain
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO
 from finetune import gguf_import, modeling, rehearse
 from finetune.catalog.models import get
 from finetune.config import TrainConfig

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from finetune import rehearse
 from finetune.config import TrainConfig, base_lr, parse_command
 
@@ -92,8 +92,8 @@ def test_failures_are_explained_from_the_error_that_ended_the_run():
 
 
 def test_inspect_run_finds_empty_adapters_and_missing_checkpoints(tmp_path):
-    import torch
     from safetensors.torch import save_file
+    import torch
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 4.0 - s, "lr": 0.1}) + "\n" for s in (1, 2)))
     save_file({"lora_A": torch.zeros(0, 4)}, tmp_path / "adapter_model.safetensors")

@@ -16,9 +16,9 @@ import signal
 import pytest
 import torch
 from accelerate.utils import set_seed
+from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
-from conftest import reset_accelerate, tiny_llama
 from finetune import cli, loop
 from finetune.checkpointing import Checkpointer
 from finetune.config import TrainConfig, scaled_lr

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
 from finetune.export import export
 from finetune.metrics import read_metrics
 

@@ -4,15 +4,15 @@
 import json
 
 import pytest
-
 from conftest import REPO
+
 from finetune.catalog.gpus import GPUSpec
 from finetune.cli import main as cli_main
 from finetune.config import TrainConfig
 from finetune.errors import FinetuneError
+from finetune.scaling import main as scaling_main
 from finetune.planner.workload import from_run
 from finetune.resolved import Device, Launch, resolve_run
-from finetune.scaling import main as scaling_main
 from finetune.scaling import model_efficiency
 
 CONFIGS = REPO / "accelerate_configs"

@@ -6,14 +6,7 @@ import pytest
 
 from finetune.catalog import gpus, models
 from finetune.planner.memory import model_states, trainable_params
-from finetune.planner.speed import (
-    DDP_BUCKET_BYTES,
-    LATENCY_S,
-    NOTHING,
-    collectives,
-    estimate_speed,
-    gathered_weight_bytes,
-)
+from finetune.planner.speed import DDP_BUCKET_BYTES, LATENCY_S, NOTHING, collectives, estimate_speed, gathered_weight_bytes
 from finetune.planner.workload import Workload
 
 LLAMA_7B = models.get("llama-7b")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import REPO
+
 from finetune.config import ConfigError, TrainConfig
 from finetune.errors import FinetuneError
 from finetune.resolved import Device, Launch, resolve_precision, resolve_run

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import REPO
 import yaml
 
-from conftest import REPO
 from finetune import deepspeed_json
 from finetune.catalog import gpus, models
 from finetune.config import BatchShape, TrainConfig

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 import yaml
 
-from conftest import REPO
 from finetune import rehearse
 from finetune.config import parse_command
 from finetune.strategies import free_port

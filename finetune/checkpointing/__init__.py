@@ -21,15 +21,8 @@ unpickle some files with `weights_only=False`; see `unsafe_pickle_globals`).
 from finetune.checkpointing.checkpointer import Checkpointer
 from finetune.checkpointing.identity import resume_identity
 from finetune.checkpointing.layout import (
-    HF_DIR,
-    MANIFEST,
-    CheckpointError,
-    checkpoints_dir,
-    complete_checkpoints,
-    find_checkpoint,
-    incompleteness,
-    read_manifest,
-    step_dir_name,
+    HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, incompleteness,
+    read_manifest, step_dir_name,
 )
 from finetune.checkpointing.safety import unsafe_pickle_globals
 

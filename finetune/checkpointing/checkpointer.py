@@ -20,19 +20,8 @@ from accelerate.utils import DistributedType
 
 from finetune.checkpointing.identity import identity_differences, resume_identity
 from finetune.checkpointing.layout import (
-    FORMAT_VERSION,
-    HF_DIR,
-    INCOMPLETE,
-    MANIFEST,
-    CheckpointError,
-    checkpoints_dir,
-    complete_checkpoints,
-    find_checkpoint,
-    incompleteness,
-    read_manifest,
-    step_dir_name,
-    step_of,
-    take_inventory,
+    FORMAT_VERSION, HF_DIR, INCOMPLETE, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint,
+    incompleteness, read_manifest, step_dir_name, step_of, take_inventory,
 )
 from finetune.checkpointing.safety import unsafe_pickle_globals
 from finetune.preflight import package_versions

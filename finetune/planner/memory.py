@@ -11,14 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.planner.params import (
-    NF4_BYTES,
-    NF4_DOUBLE_QUANT_BYTES,
-    count_params,
-    layer_linears,
-    lora_params,
-    resolve_lora_targets,
-)
+from finetune.planner.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
 from finetune.planner.workload import Workload
 
 GIB = 2**30
