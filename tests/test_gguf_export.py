@@ -15,7 +15,7 @@ MESSAGES = [{"role": "user", "content": "What is 7 plus 7?"}]
 # largest |gguf logit - exported logit| as a fraction of the largest |logit|: f16 keeps 11 significant
 # bits, bf16 8, q8_0 8 per value with one f16 scale per 32 values (measured: 1.5e-4, 1.4e-3, 4e-3;
 # without llama.cpp's q/k permutation the f16 error on the base model is 0.12)
-TOLERANCE = {"f16": 1e-3, "bf16": 1e-2, "q8_0": 3e-2}
+TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "q8_0": 3e-2}  # of the largest logit; f16 rounds each weight by up to 2^-11
 
 
 def chat_ids(tokenizer, messages=MESSAGES) -> torch.Tensor:
