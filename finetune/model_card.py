@@ -65,14 +65,14 @@ def read_run_record(trained) -> RunRecord:
 
 
 def base_model_id(config: dict) -> str | None:
-    """The Hub id of the model the run started from: a catalog entry's, or --model itself when it
-    names a Hub repo (not a local path or file)."""
+    """The Hub id of the model the run started from: a catalog entry's (or the repo its GGUF was
+    converted from), or --model itself when it names a Hub repo (not a local path or file)."""
     from finetune.catalog.models import lookup
 
     model = config["model"]
     spec = lookup(model)
     if spec is not None:
-        return spec.hf_id
+        return spec.hf_id or spec.converted_from
     if model.count("/") == 1 and not Path(model).exists() and not model.endswith((".gguf", ".safetensors")):
         return model
     return None

