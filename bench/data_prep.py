@@ -37,7 +37,7 @@ import dataclasses, json, resource, sys, time
 import datasets
 from transformers import AutoTokenizer
 import finetune
-from finetune.config import TrainConfig
+from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
 
 options = json.loads(sys.argv[1])
@@ -82,7 +82,7 @@ def write_rows(path: Path, fmt: str, count: int) -> None:
 def save_tokenizer(directory: Path) -> None:
     from transformers import AutoTokenizer
 
-    from finetune.gguf_import import gguf_path
+    from finetune.models.gguf_import import gguf_path
 
     path = gguf_path("smollm2-135m")
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(directory)

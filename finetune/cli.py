@@ -15,12 +15,12 @@ from finetune.errors import FinetuneError
 SUBCOMMANDS = {
     "train": "finetune.cli:train",
     "prepare": "finetune.data.command:main",
-    "plan": "finetune.planner.command:main",
-    "export": "finetune.export:main",
-    "rehearse": "finetune.rehearse:main",
-    "slurm": "finetune.slurm:main",
-    "doctor": "finetune.doctor.command:main",
-    "scaling": "finetune.scaling:main",
+    "plan": "finetune.plan.command:main",
+    "export": "finetune.export.command:main",
+    "rehearse": "finetune.launch.rehearse:main",
+    "slurm": "finetune.launch.slurm:main",
+    "doctor": "finetune.launch.doctor.command:main",
+    "scaling": "finetune.launch.scaling:main",
 }
 
 
@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
 def train(argv: list[str]) -> int:
     """Parse and validate the flags torch-free, so `--help` and mistakes answer in well under a second,
     then plan (--dry-run) or train."""
-    from finetune.config import parse_command
+    from finetune.config.options import parse_command
     from finetune.library_logs import quiet_libraries
 
     command = parse_command(argv)
     if not command.config.verbose:
         quiet_libraries()
-    from finetune import run
+    from finetune.train import run
 
     return run.main(command)

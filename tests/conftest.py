@@ -52,7 +52,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.catalog.models import get
+    from finetune.models.catalog import get
 
     config = get("tiny").to_hf_config_dict() | {
         "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 2 * hidden,
@@ -140,11 +140,11 @@ class Run:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from finetune.checkpointing import Checkpointer
-        from finetune.config import TrainConfig
-        from finetune.loop import Progress
-        from finetune.run import resolve
-        from finetune.strategies import build_accelerator
+        from finetune.checkpoint.checkpointer import Checkpointer
+        from finetune.config.options import TrainConfig
+        from finetune.checkpoint.progress import Progress
+        from finetune.train.run import resolve
+        from finetune.train.accelerator import build_accelerator
 
         self.config = TrainConfig(output_dir=str(output_dir), method=method, **flags)
         self.run, _ = resolve(self.config)
@@ -210,7 +210,7 @@ def smollm2_dir() -> Path:
     model cache once (~45 s here) by the code path of `--model smollm2-135m`: the folder every
     smollm2-135m run of the session loads, launched processes included (they inherit
     $FINETUNE_MODEL_CACHE)."""
-    from finetune import modeling
-    from finetune.config import TrainConfig
+    from finetune.models import loading
+    from finetune.config.options import TrainConfig
 
-    return Path(modeling.materialize(TrainConfig(model="smollm2-135m")))
+    return Path(loading.materialize(TrainConfig(model="smollm2-135m")))

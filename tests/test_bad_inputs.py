@@ -371,11 +371,11 @@ CASES = [
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """The catalog's `tiny` model, written once as a model directory (config, weights, tokenizer)."""
-    from finetune import modeling
-    from finetune.catalog.models import get
+    from finetune.models import loading
+    from finetune.models.catalog import get
 
     folder = tmp_path_factory.mktemp("models") / "tiny-model"
-    modeling.materialize_random_init(get("tiny"), folder, seed=0)
+    loading.materialize_random_init(get("tiny"), folder, seed=0)
     return folder
 
 

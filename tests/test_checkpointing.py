@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from finetune import checkpointing
-from finetune.checkpointing import CheckpointError
+from finetune.checkpoint import layout
+from finetune.checkpoint.layout import CheckpointError
 
 
 def test_layout_and_manifest_written_last(make_run):
@@ -53,7 +53,7 @@ def test_failed_save_leaves_previous_checkpoint_resumable(make_run):
     handle.remove()
     directory = run.checkpointer.directory
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000004.incomplete"]
-    assert checkpointing.complete_checkpoints(directory) == [directory / "step-000002"]
+    assert layout.complete_checkpoints(directory) == [directory / "step-000002"]
 
     resumed = make_run(save_every=2, resume="auto")
     assert resumed.checkpointer.resume() == directory / "step-000002"
@@ -78,7 +78,7 @@ def test_rotation_removes_unfinished_saves_and_old_complete_ones_never_damaged_o
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003"]
     (directory / "step-000009.incomplete").mkdir()  # a crashed save
     problem = damage(directory / "step-000002" / "optimizer.bin")  # no longer complete: may be the only copy of its work
-    assert checkpointing.incompleteness(directory / "step-000002") == problem
+    assert layout.incompleteness(directory / "step-000002") == problem
     run.train_steps(1)
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003", "step-000004"]
 
@@ -105,13 +105,13 @@ def test_resume_auto_names_damaged_checkpoints_and_resumes_from_the_newest_compl
     assert "resuming from step-000002, the newest complete checkpoint; the damaged ones stay as they are" in printed
     resumed.train_steps(2)  # saves step 4 again: the damaged folder is moved aside, not deleted
     (kept,) = directory.glob("step-000004.damaged-*")
-    assert checkpointing.incompleteness(kept) == problem and f"kept it as {kept.name}" in capsys.readouterr().out
-    assert checkpointing.complete_checkpoints(directory) == [directory / "step-000002", directory / "step-000004"]
+    assert layout.incompleteness(kept) == problem and f"kept it as {kept.name}" in capsys.readouterr().out
+    assert layout.complete_checkpoints(directory) == [directory / "step-000002", directory / "step-000004"]
 
 
 def test_resume_auto_stops_when_checkpoints_exist_but_none_is_complete(make_run, tmp_path):
     make_run(save_every=1).train_steps(1)
-    directory = checkpointing.checkpoints_dir(tmp_path / "out")
+    directory = layout.checkpoints_dir(tmp_path / "out")
     problem = damage(directory / "step-000001" / "optimizer.bin")
     before = sorted((str(p), p.stat().st_size) for p in directory.rglob("*"))
     with pytest.raises(CheckpointError) as error:
@@ -149,7 +149,7 @@ def test_auto_resume_picks_newest_complete_and_restores_everything(make_run):
 
 
 def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_run_refuses_old_ones(make_run, tmp_path, capsys):
-    unfinished = checkpointing.checkpoints_dir(tmp_path / "out") / "step-000003.incomplete"
+    unfinished = layout.checkpoints_dir(tmp_path / "out") / "step-000003.incomplete"
     unfinished.mkdir(parents=True)  # a first save that never finished holds no checkpoint
     run = make_run(resume="auto", save_every=1)
     assert run.checkpointer.resume() is None and run.progress.step == 0

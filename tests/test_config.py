@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from finetune.config import (ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
+from finetune.config.options import (ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
                              save_yaml, scaled_lr)
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from finetune.catalog.models import get
-from finetune.config import TrainConfig
+from finetune.models.catalog import get
+from finetune.config.options import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
 from finetune.data.builtin import CHARACTERS, DATASET_FILE, NUM_ROWS, TASKS, write_builtin
-from finetune.vocabulary import IGNORE_INDEX
+from finetune.config.names import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt
 from finetune.errors import FinetuneError
 

@@ -9,10 +9,10 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.vocabulary import IGNORE_INDEX
+from finetune.config.names import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt, encode
 from finetune.errors import FinetuneError
-from finetune.gguf_import import gguf_path
+from finetune.models.gguf_import import gguf_path
 
 pytestmark = pytest.mark.slow
 

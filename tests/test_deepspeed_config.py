@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import REPO
 
-from finetune import deepspeed_json
-from finetune.checkpointing.identity import resume_identity
-from finetune.config import BatchShape, ConfigError, TrainConfig, parse_command
-from finetune.resolved import LAUNCH_DEEPSPEED, Device, Launch, resolve_run
+from finetune.config import deepspeed_json
+from finetune.checkpoint.identity import resume_identity
+from finetune.config.options import BatchShape, ConfigError, TrainConfig, parse_command
+from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, resolve_run
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-80GB", bf16=True)
 
@@ -248,7 +248,7 @@ def test_what_the_loop_builds_from_an_adopted_file_is_what_deepspeed_would_run(t
     import torch
     from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.train.optim import build_optimizer, build_scheduler
 
     run = hf_run(tmp_path, HF_DECAY, [])
     model = torch.nn.Linear(4, 4)
@@ -349,7 +349,7 @@ def test_the_files_lr_under_lr_scaling_and_its_length_under_epochs_are_conflicts
 def test_a_fixed_precision_section_decides_auto_like_the_accelerate_config(tmp_path):
     """A file with `fp16.enabled: true` (and no `--precision`) runs fp16, as the accelerate config's
     mixed_precision would decide it; an explicit bf16 precision against it is refused."""
-    from finetune.vocabulary import PRECISIONS
+    from finetune.config.names import PRECISIONS
 
     fixed = tmp_path / "fp16.json"
     fixed.write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from finetune.doctor import checks
-from finetune.doctor.command import merge_findings
-from finetune.doctor.probe import Machine, parse_topology
-from finetune.bandwidth import AllReduceTiming, spawn_all_reduce
+from finetune.launch.doctor import checks
+from finetune.launch.doctor.command import merge_findings
+from finetune.launch.doctor.probe import Machine, parse_topology
+from finetune.launch.bandwidth import AllReduceTiming, spawn_all_reduce
 from finetune.cli import main as cli_main
-from finetune.strategies import free_port
+from finetune.train.accelerator import free_port
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.1, "capability": "9.0", "bf16": True}
 VERSIONS = {"torch": "2.11.0+cu130", "cuda": "13.0", "datasets": "5.0.0", "bitsandbytes": "0.50.2", "deepspeed": "0.19.8"}
@@ -169,7 +169,7 @@ def test_spawned_all_reduce_times_every_size():
     ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"), ("NVIDIA B200", 180.0, None),
 ])
 def test_cuda_device_names_map_to_the_gpu_catalog(device_name, memory_gib, entry):
-    from finetune.catalog.gpus import identify
+    from finetune.plan.gpus import identify
 
     spec = identify(device_name, memory_gib)
     assert (spec.name if spec else None) == entry

@@ -20,11 +20,11 @@ import torch
 SHARD_BYTES = 24_000_000
 PROBE = """
 import json, sys
-import finetune.export, torch.distributed.checkpoint, safetensors.torch, transformers  # imports before the baseline
+import finetune.export.safetensors, torch.distributed.checkpoint, safetensors.torch, transformers  # imports before the baseline
 def rss(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
 baseline = rss("VmRSS:")
-finetune.export.export(sys.argv[1], sys.argv[2], max_shard_size="24MB")  # = SHARD_BYTES
+finetune.export.safetensors.export(sys.argv[1], sys.argv[2], max_shard_size="24MB")  # = SHARD_BYTES
 print(json.dumps({"baseline": baseline, "peak": rss("VmHWM:")}))
 """
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main as cli
-from finetune.gguf_export import GgufExportError, export_gguf
+from finetune.export.gguf import GgufExportError, export_gguf
 
 MESSAGES = [{"role": "user", "content": "What is 7 plus 7?"}]
 # largest |gguf logit - exported logit| as a fraction of the largest |logit|: f16 keeps 11 significant
@@ -89,7 +89,7 @@ def test_a_tokenizer_without_a_gguf_form_is_refused_before_anything_is_written(m
 def test_smollm2_as_gguf_answers_as_the_model_it_was_written_from(tmp_path, smollm2_dir):
     """The real model (byte-level BPE with the `smollm` pre-tokenizer, ChatML, 9 heads over 3 KV
     heads, tied embeddings) written as f16 and read back: same tokens, near-equal logits, same answer."""
-    from finetune.gguf_export import write_gguf
+    from finetune.export.gguf import write_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)

@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO / "bench/gpu"))
 
 from memory import random_checkpoint  # noqa: E402
 
-from finetune.catalog.models import get  # noqa: E402
-from finetune.planner.params import count_params  # noqa: E402
+from finetune.models.catalog import get  # noqa: E402
+from finetune.plan.params import count_params  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: bench/gpu/run.sh")]
 

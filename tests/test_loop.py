@@ -12,13 +12,14 @@ import torch
 from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
-from finetune import loop
+from finetune.checkpoint.progress import Progress
+from finetune.train import loop
 from finetune.data import Collator
-from finetune.metrics import MetricsRecorder, read_metrics
-from finetune.config import TrainConfig
-from finetune.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
-from finetune.run import resolve
-from finetune.strategies import build_accelerator
+from finetune.train.metrics import MetricsRecorder, read_metrics
+from finetune.config.options import TrainConfig
+from finetune.train.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
+from finetune.train.run import resolve
+from finetune.train.accelerator import build_accelerator
 
 PAD = 0
 
@@ -60,7 +61,7 @@ def one_sgd_update(tmp_path, micro_batch_size: int, accumulation: int):
                                                      lambda params: torch.optim.SGD(params, lr=1.0), variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     metrics = MetricsRecorder(accelerator, tmp_path, max_steps=1, log_every=1)
-    loop.train(accelerator, model, optimizer, scheduler, loader, progress=loop.Progress(), max_steps=1,
+    loop.train(accelerator, model, optimizer, scheduler, loader, progress=Progress(), max_steps=1,
                max_grad_norm=0.0, metrics=metrics)
     gradient = {name: before[name] - p.detach() for name, p in model.named_parameters()}
     return gradient, read_metrics(tmp_path / "metrics.jsonl")[-1]["loss"]
@@ -108,8 +109,8 @@ def test_accumulation_windows_drop_the_partial_tail():
 
 
 def test_progress_round_trips_through_state_dict():
-    progress = loop.Progress(step=7, epoch=1, batches_in_epoch=12, tokens_seen=345)
-    restored = loop.Progress()
+    progress = Progress(step=7, epoch=1, batches_in_epoch=12, tokens_seen=345)
+    restored = Progress()
     restored.load_state_dict(progress.state_dict())
     assert restored == progress
 
@@ -130,7 +131,7 @@ def test_scheduler_steps_once_per_update_with_accumulation(tmp_path):
     accelerator, model, optimizer, loader = prepared(tmp_path, 1, 4, tiny_llama(), lambda params: torch.optim.SGD(params, lr=1.0),
                                                      variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-    loop.train(accelerator, model, optimizer, scheduler, loader, progress=loop.Progress(), max_steps=2,
+    loop.train(accelerator, model, optimizer, scheduler, loader, progress=Progress(), max_steps=2,
                max_grad_norm=1.0, metrics=MetricsRecorder(accelerator, tmp_path, max_steps=2, log_every=1))
     assert scheduler.last_epoch == 2
     assert [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 0.5]
@@ -148,7 +149,7 @@ def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path):
     accelerator, model, optimizer, loader = prepared(tmp_path, 2, 2, tiny_llama(), lambda params: torch.optim.AdamW(params),
                                                      variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    progress = loop.Progress()
+    progress = Progress()
     loop.train(accelerator, model, optimizer, scheduler, loader, progress=progress, max_steps=5, max_grad_norm=1.0,
                metrics=MetricsRecorder(accelerator, tmp_path, max_steps=5, log_every=1))
     assert (progress.step, progress.epoch) == (5, 2)

@@ -8,10 +8,10 @@ import json
 from huggingface_hub import ModelCard
 
 from finetune.cli import main as cli
-from finetune.config import TrainConfig
-from finetune.export import export
-from finetune.metrics import read_metrics
-from finetune.model_card import RunRecord, model_card
+from finetune.config.options import TrainConfig
+from finetune.export.safetensors import export
+from finetune.train.metrics import read_metrics
+from finetune.export.card import RunRecord, model_card
 
 
 def card_of(folder) -> ModelCard:

@@ -11,10 +11,11 @@ import time
 
 from conftest import REPO
 
-from finetune import preflight, slurm
-from finetune.config import TrainConfig
-from finetune.rehearse import write_shrunk_model
-from finetune.strategies import free_port
+from finetune.train import preflight
+from finetune.launch import slurm
+from finetune.config.options import TrainConfig
+from finetune.launch.rehearse import write_shrunk_model
+from finetune.train.accelerator import free_port
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from finetune.catalog import gpus, models
-from finetune.config import TrainConfig
-from finetune.planner.choose import Request, plan
-from finetune.planner.launch import launch_command, write_configs
-from finetune.planner.memory import GIB, estimate, place_states
-from finetune.planner.workload import from_run
-from finetune.resolved import Device, Launch, resolve_run
-from finetune.runplan import build, built_states, fit_problem, run_of_plan
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.config.options import TrainConfig
+from finetune.plan.choose import Request, plan
+from finetune.plan.files import launch_command, write_configs
+from finetune.plan.memory import GIB, estimate, place_states
+from finetune.plan.workload import from_run
+from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.train.dry_run import build, built_states, fit_problem, run_of_plan
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-80GB", bf16=True)
 T4 = Device(cuda=True, name="Tesla T4", bf16=False)
@@ -129,15 +130,15 @@ def test_8bit_optimizer_states_are_planned_as_built(tmp_path):
 
 
 PLANS = {
-    "lora DDP": Request(model=models.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", strategy="ddp"),
-    "full FSDP2 params offload": Request(model=models.get("llama-3.1-8b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2,
+    "lora DDP": Request(model=catalog.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", strategy="ddp"),
+    "full FSDP2 params offload": Request(model=catalog.get("llama-3.1-8b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2,
                                          method="full", strategy="fsdp", offload="params"),
-    "full ZeRO-3 offload, 2 nodes": Request(model=models.get("mistral-7b"), gpu=gpus.get("H100"), gpus_per_node=8, nodes=2,
+    "full ZeRO-3 offload, 2 nodes": Request(model=catalog.get("mistral-7b"), gpu=gpus.get("H100"), gpus_per_node=8, nodes=2,
                                             method="full", strategy="zero3", offload="params", micro_batch_size=2,
                                             gradient_accumulation_steps=4),
-    "qlora single on a T4": Request(model=models.get("llama-7b"), gpu=gpus.get("T4"), gpus_per_node=1, method="qlora",
+    "qlora single on a T4": Request(model=catalog.get("llama-7b"), gpu=gpus.get("T4"), gpus_per_node=1, method="qlora",
                                     gradient_checkpointing=True),
-    "lora on the head, 8-bit AdamW": Request(model=models.get("qwen2.5-7b"), gpu=gpus.get("L40S"), gpus_per_node=4,
+    "lora on the head, 8-bit AdamW": Request(model=catalog.get("qwen2.5-7b"), gpu=gpus.get("L40S"), gpus_per_node=4,
                                              method="lora", strategy="zero2", optimizer="adamw-8bit",
                                              lora_targets="q_proj,v_proj,lm_head", lora_r=32),
 }
@@ -172,7 +173,7 @@ def test_dry_run_prints_the_plan_with_what_the_trainer_builds(tmp_path):
 
 
 def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
-    request = Request(model=models.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=1, method="lora",
+    request = Request(model=catalog.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=1, method="lora",
                       micro_batch_size=4)
     plans, best = plan(request)
     chosen = plans[best]
@@ -187,7 +188,7 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
 
 
 def test_host_memory_limits_which_plans_fit_and_which_is_recommended():
-    llama70 = models.get("llama-2-70b")
+    llama70 = catalog.get("llama-2-70b")
     request = Request(model=llama70, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="full", strategy="fsdp",
                       offload="params")
     plans, best = plan(request)
@@ -206,7 +207,7 @@ def test_host_memory_limits_which_plans_fit_and_which_is_recommended():
 
 
 def test_tied_speeds_go_to_less_memory_and_the_output_says_so():
-    plans, best = plan(Request(model=models.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora"))
+    plans, best = plan(Request(model=catalog.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora"))
     fastest = max((p for p in plans if p.fits), key=lambda p: p.speed.tokens_per_second)
     chosen = plans[best]
     assert chosen.speed.tokens_per_second >= fastest.speed.tokens_per_second * 0.97
@@ -220,11 +221,11 @@ def test_tied_speeds_go_to_less_memory_and_the_output_says_so():
 
 
 REHEARSED_PLANS = {  # the three shapes the planner writes: a plain launch, FSDP2, and DeepSpeed with offload
-    "lora DDP": (Request(model=models.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora",
+    "lora DDP": (Request(model=catalog.get("llama-7b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora",
                          strategy="ddp"), "DDP on cpu, 2 process(es)"),
-    "qlora FSDP2": (Request(model=models.get("llama-2-70b"), gpu=gpus.get("A100-80GB"), gpus_per_node=2,
+    "qlora FSDP2": (Request(model=catalog.get("llama-2-70b"), gpu=gpus.get("A100-80GB"), gpus_per_node=2,
                             method="qlora", strategy="fsdp"), "FSDP2 on cpu, 2 process(es)"),
-    "full ZeRO-3 offload": (Request(model=models.get("llama-3.1-8b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2,
+    "full ZeRO-3 offload": (Request(model=catalog.get("llama-3.1-8b"), gpu=gpus.get("A100-40GB"), gpus_per_node=2,
                                     method="full", strategy="zero3", offload="params"), "ZeRO-3 on cpu, 2 process(es)"),
 }
 
@@ -232,9 +233,9 @@ REHEARSED_PLANS = {  # the three shapes the planner writes: a plain launch, FSDP
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REHEARSED_PLANS))
 def test_written_plan_rehearses_on_cpu(name, tmp_path):
-    from finetune import rehearse
-    from finetune.config import parse_config
-    from finetune.planner.launch import train_flags
+    from finetune.launch import rehearse
+    from finetune.config.options import parse_config
+    from finetune.plan.files import train_flags
 
     request, strategy = REHEARSED_PLANS[name]
     plans, best = plan(request)
@@ -254,7 +255,7 @@ def test_printed_deepspeed_launch_command_runs_as_printed(tmp_path):
     import os
     import shlex
 
-    from finetune.strategies import free_port
+    from finetune.train.accelerator import free_port
 
     plans, best = plan(replace(PLANS["lora DDP"], strategy="zero2"))
     write_configs(plans[best], tmp_path / "plan")
@@ -305,7 +306,7 @@ def test_dry_run_of_the_printed_launch_command_reports_the_planned_memory(tmp_pa
     import os
     import shlex
 
-    from finetune.strategies import free_port
+    from finetune.train.accelerator import free_port
 
     planned = json.loads(plan_cli("--model", "llama-7b", "--gpus", "2xA100-40GB", "--method", "lora", "--strategy", "ddp",
                                   "--json", "--write-config", str(tmp_path / "plan")).stdout)

@@ -9,16 +9,18 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from finetune.catalog import gpus, models
+from finetune.plan import gpus
+from finetune.models import catalog
 from finetune.cli import main as cli_main
 from finetune.errors import FinetuneError
-from finetune.planner.choose import Request, plan
-from finetune.planner.launch import accelerate_config, deepspeed_config, launch_command, write_configs
-from finetune.planner.memory import GIB, estimate
-from finetune.planner.query import parse_gpus, parse_query, resolve_model
-from finetune.planner.workload import Workload
+from finetune.plan.choose import Request, plan
+from finetune.plan.files import accelerate_config, deepspeed_config, launch_command, write_configs
+from finetune.plan.memory import GIB, estimate
+from finetune.models.source import resolve_model
+from finetune.plan.query import parse_gpus, parse_query
+from finetune.plan.workload import Workload
 
-LLAMA_7B = models.get("llama-2-7b")
+LLAMA_7B = catalog.get("llama-2-7b")
 
 
 def workload(**overrides) -> Workload:
@@ -159,7 +161,7 @@ def test_llama_7b_full_fits_2xA100_40GB_under_zero3_with_optimizer_offload():
 
 
 def test_llama_70b_qlora_fits_2x24GB_with_fsdp_and_param_offload():
-    w = workload(model=models.get("llama-2-70b"), gpu=gpus.get("RTX4090"), method="qlora", strategy="fsdp",
+    w = workload(model=catalog.get("llama-2-70b"), gpu=gpus.get("RTX4090"), method="qlora", strategy="fsdp",
                  offload="params", precision="bf16-true", seq_len=512)
     assert fits(w)
     assert not fits(replace(w, strategy="ddp", offload="none"))
@@ -238,7 +240,7 @@ def test_write_config_files_load_and_match(tmp_path):
 
 
 def test_fsdp_accelerate_config_is_fsdp2_sharded():
-    request = Request(model=models.get("qwen2.5-7b"), gpu=gpus.get("H100"), gpus_per_node=8, nodes=2,
+    request = Request(model=catalog.get("qwen2.5-7b"), gpu=gpus.get("H100"), gpus_per_node=8, nodes=2,
                       method="full", strategy="fsdp", offload="params")
     plans, best = plan(request)
     config = accelerate_config(plans[best])
@@ -283,7 +285,7 @@ def test_hub_id_whose_config_is_in_the_local_cache_is_planned(tmp_path):
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
-    (snapshot / "config.json").write_text(json.dumps(models.get("llama-7b").to_hf_config_dict()))
+    (snapshot / "config.json").write_text(json.dumps(catalog.get("llama-7b").to_hf_config_dict()))
     done = subprocess.run([sys.executable, "-m", "finetune", "plan", "--model", "acme/llama-like", "--gpus", "1xA100-80GB",
                            "--json"], capture_output=True, text=True, timeout=120,
                           env=os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub")})

@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.catalog import gpus, models
-from finetune.planner.memory import dequant_scratch_bytes, estimate
-from finetune.planner.params import NF4_DOUBLE_QUANT_BYTES, count_params
-from finetune.planner.workload import Workload
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.plan.memory import dequant_scratch_bytes, estimate
+from finetune.plan.params import NF4_DOUBLE_QUANT_BYTES, count_params
+from finetune.plan.workload import Workload
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,7 +27,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def shrunk(name: str, method: str, precision: str, checkpointing: bool, kbit_upcast: bool = False) -> Workload:
-    return Workload(model=replace(models.get(name), num_layers=2), gpu=gpus.get("T4"), gpus_per_node=1, method=method,
+    return Workload(model=replace(catalog.get(name), num_layers=2), gpu=gpus.get("T4"), gpus_per_node=1, method=method,
                     strategy="single", offload="none", precision=precision, optimizer="adamw", micro_batch_size=1,
                     seq_len=512, gradient_checkpointing=checkpointing, lora_targets="q_proj,k_proj,v_proj,o_proj",
                     kbit_upcast=kbit_upcast)

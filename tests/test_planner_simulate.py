@@ -13,19 +13,20 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.catalog import gpus, models
-from finetune.config import TrainConfig
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
-from finetune.planner.memory import estimate
-from finetune.planner.simulate import simulate
-from finetune.planner.workload import from_run
-from finetune.resolved import Device, Launch, resolve_run
+from finetune.plan.memory import estimate
+from finetune.train.simulate import simulate
+from finetune.plan.workload import from_run
+from finetune.config.resolve import Device, Launch, resolve_run
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
 
 
 def shrunk_model(directory, name: str, layers: int) -> str:
-    spec = replace(models.get(name), num_layers=layers)
+    spec = replace(catalog.get(name), num_layers=layers)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
     return str(directory)

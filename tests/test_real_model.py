@@ -20,14 +20,16 @@ from safetensors import safe_open
 from test_strategies_distributed import STEPS, retrain
 from transformers import AutoModelForCausalLM
 
-from finetune import gguf_import, modeling, rehearse
-from finetune.catalog.models import get
-from finetune.config import TrainConfig
+from finetune.models import gguf_import
+from finetune.models import loading
+from finetune.launch import rehearse
+from finetune.models.catalog import get
+from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
-from finetune.metrics import read_metrics
-from finetune.run import resolve
-from finetune.strategies import free_port
-from finetune.vocabulary import IGNORE_INDEX
+from finetune.train.metrics import read_metrics
+from finetune.train.run import resolve
+from finetune.train.accelerator import free_port
+from finetune.config.names import IGNORE_INDEX
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +108,7 @@ def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
     converted = config | {"rope_theta": config["rope_parameters"]["rope_theta"]}
     assert metadata == pytest.approx({key: converted[key] for key in metadata})
     # the weights survived the conversion (llama.cpp's q/k layout, tied embeddings): it knows Paris
-    tokenizer = modeling.load_tokenizer(str(smollm2_dir), trust_remote_code=False)
+    tokenizer = loading.load_tokenizer(str(smollm2_dir), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     [answer] = greedy(model, tokenizer, ["What is the capital of France?"], new_tokens=10)
@@ -116,7 +118,7 @@ def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
 def test_a_second_run_reuses_the_converted_folder(smollm2_dir):
     weights = smollm2_dir / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    assert modeling.materialize(TrainConfig(model=str(gguf_import.gguf_path("smollm2-135m")))) == str(smollm2_dir)
+    assert loading.materialize(TrainConfig(model=str(gguf_import.gguf_path("smollm2-135m")))) == str(smollm2_dir)
     assert weights.stat().st_mtime_ns == written
 
 
@@ -132,7 +134,7 @@ def test_chatml_masking_learns_only_the_assistant_turns_and_their_end(smollm2_di
     ]
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tokenizer = modeling.load_tokenizer(str(smollm2_dir), trust_remote_code=False)
+    tokenizer = loading.load_tokenizer(str(smollm2_dir), trust_remote_code=False)
     data = prepare_data(TrainConfig(dataset=str(tmp_path), eval_split="test", max_seq_len=512), tokenizer)
     assert data.format == "chat"
     for row, example in zip(rows, data.train):
@@ -160,7 +162,7 @@ def test_lora_targets_of_the_real_model(smollm2_dir):
     for targets, expected in (("all-linear", projections), ("q_proj,v_proj", {"q_proj", "v_proj"})):
         run, _ = resolve(TrainConfig(model="smollm2-135m", method="lora", lora_targets=targets))
         assert run.source == str(smollm2_dir)
-        model = modeling.load_model(run, torch.device("cpu"))
+        model = loading.load_model(run, torch.device("cpu"))
         adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
         assert len(adapted) == 30 * len(expected)
         assert {name.rsplit(".", 1)[-1] for name in adapted} == expected
@@ -220,7 +222,7 @@ def test_save_resume_export_reload_gives_the_same_generations(smollm2_dir, chats
 
     from peft import AutoPeftModelForCausalLM
 
-    tokenizer = modeling.load_tokenizer(str(tmp_path / "merged"), trust_remote_code=False)
+    tokenizer = loading.load_tokenizer(str(tmp_path / "merged"), trust_remote_code=False)
     trained = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32).eval()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert greedy(merged, tokenizer) == greedy(trained, tokenizer)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from finetune import rehearse
-from finetune.config import TrainConfig, base_lr, parse_command
+from finetune.launch import rehearse
+from finetune.config.options import TrainConfig, base_lr, parse_command
 
 
 @pytest.mark.parametrize(("model", "model_class", "kv_heads"), [

@@ -19,13 +19,15 @@ from accelerate.utils import set_seed
 from conftest import reset_accelerate, tiny_llama
 from torch.utils.data import DataLoader
 
-from finetune import cli, loop
-from finetune.checkpointing import Checkpointer
-from finetune.config import TrainConfig, scaled_lr
-from finetune.metrics import MetricsRecorder, read_metrics
-from finetune.optim import LRSchedule, build_optimizer, build_scheduler
-from finetune.run import resolve
-from finetune.strategies import build_accelerator
+from finetune.checkpoint.progress import Progress
+from finetune import cli
+from finetune.train import loop
+from finetune.checkpoint.checkpointer import Checkpointer
+from finetune.config.options import TrainConfig, scaled_lr
+from finetune.train.metrics import MetricsRecorder, read_metrics
+from finetune.train.optim import LRSchedule, build_optimizer, build_scheduler
+from finetune.train.run import resolve
+from finetune.train.accelerator import build_accelerator
 
 STEPS = 7  # 12 examples / (micro 2 × accumulation 2) = 3 updates per epoch: stops at 2 and 3, end in epoch 3
 
@@ -58,7 +60,7 @@ def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> 
     scheduler = build_scheduler(config, optimizer, STEPS)
     loader = DataLoader(examples(), batch_size=2, shuffle=True, collate_fn=collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    progress = loop.Progress()
+    progress = Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
     checkpointer = Checkpointer(accelerator, run, model)
     try:

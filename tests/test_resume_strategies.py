@@ -29,8 +29,8 @@ from conftest import REPO
 import torch
 from safetensors.torch import load_file
 
-from finetune.export import export
-from finetune.metrics import read_metrics
+from finetune.export.safetensors import export
+from finetune.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process runs: CI's second step
 
@@ -137,7 +137,7 @@ def logits_of(folder: Path, method: str, base: Path | None = None) -> torch.Tens
     else:
         from peft import PeftModel
 
-        from finetune.modeling import nf4_config
+        from finetune.models.loading import nf4_config
 
         quantization = {"quantization_config": nf4_config(torch.float32)} if method == "qlora" else {}
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **quantization), folder)
@@ -330,7 +330,8 @@ import json, os, sys
 
 import torch
 
-from finetune import cli, loop
+from finetune import cli
+from finetune.train import loop
 
 train = loop.train
 

@@ -6,14 +6,14 @@ import json
 import pytest
 from conftest import REPO
 
-from finetune.catalog.gpus import GPUSpec
+from finetune.plan.gpus import GPUSpec
 from finetune.cli import main as cli_main
-from finetune.config import TrainConfig
+from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
-from finetune.scaling import main as scaling_main
-from finetune.planner.workload import from_run
-from finetune.resolved import Device, Launch, resolve_run
-from finetune.scaling import model_efficiency
+from finetune.launch.scaling import main as scaling_main
+from finetune.plan.workload import from_run
+from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.launch.scaling import model_efficiency
 
 CONFIGS = REPO / "accelerate_configs"
 CPU = GPUSpec("cpu", 0.0, 0.0, False, "gloo", 0.0, 0.0, 0.0)

@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.catalog import gpus, models
-from finetune.planner.memory import model_states, trainable_params
-from finetune.planner.speed import DDP_BUCKET_BYTES, LATENCY_S, NOTHING, collectives, estimate_speed, gathered_weight_bytes
-from finetune.planner.workload import Workload
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.plan.memory import model_states, trainable_params
+from finetune.plan.speed import DDP_BUCKET_BYTES, LATENCY_S, NOTHING, collectives, estimate_speed, gathered_weight_bytes
+from finetune.plan.workload import Workload
 
-LLAMA_7B = models.get("llama-7b")
+LLAMA_7B = catalog.get("llama-7b")
 
 
 def workload(**overrides) -> Workload:

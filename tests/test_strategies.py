@@ -8,11 +8,11 @@ import os
 import pytest
 from conftest import REPO
 
-from finetune.config import ConfigError, TrainConfig
+from finetune.config.options import ConfigError, TrainConfig
 from finetune.errors import FinetuneError
-from finetune.resolved import Device, Launch, resolve_precision, resolve_run
-from finetune.run import resolve
-from finetune.strategies import build_accelerator, describe_setup, fsdp_plugin_from_launch
+from finetune.config.resolve import Device, Launch, resolve_precision, resolve_run
+from finetune.train.run import resolve
+from finetune.train.accelerator import build_accelerator, describe_setup, fsdp_plugin_from_launch
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-40GB", bf16=True)
 T4 = Device(cuda=True, name="Tesla T4", bf16=False)

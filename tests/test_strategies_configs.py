@@ -10,11 +10,12 @@ import pytest
 from conftest import REPO
 import yaml
 
-from finetune import deepspeed_json
-from finetune.catalog import gpus, models
-from finetune.config import BatchShape, TrainConfig
-from finetune.planner.choose import Request, plan
-from finetune.planner.launch import accelerate_config, deepspeed_config
+from finetune.config import deepspeed_json
+from finetune.plan import gpus
+from finetune.models import catalog
+from finetune.config.options import BatchShape, TrainConfig
+from finetune.plan.choose import Request, plan
+from finetune.plan.files import accelerate_config, deepspeed_config
 
 ACCELERATE_CONFIGS = ["single_gpu", "ddp", "fsdp", "fsdp_offload", "fsdp_qlora", "deepspeed_zero1", "deepspeed_zero2",
                       "deepspeed_zero3", "deepspeed_zero3_offload", "multi_node"]
@@ -40,7 +41,7 @@ def load_accelerate_config(name: str) -> tuple[dict, str]:
 
 def planned(name: str) -> dict:
     gpus_per_node = 1 if name == "single_gpu" else 8
-    request = Request(model=models.get("llama-7b"), gpu=gpus.get("H100"), gpus_per_node=gpus_per_node, micro_batch_size=1,
+    request = Request(model=catalog.get("llama-7b"), gpu=gpus.get("H100"), gpus_per_node=gpus_per_node, micro_batch_size=1,
                       precision="bf16-mixed", **PLANNER_EQUIVALENT[name])
     plans, best = plan(request)
     return plans[best]

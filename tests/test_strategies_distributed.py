@@ -17,9 +17,9 @@ import pytest
 from conftest import REPO
 import yaml
 
-from finetune import rehearse
-from finetune.config import parse_command
-from finetune.strategies import free_port
+from finetune.launch import rehearse
+from finetune.config.options import parse_command
+from finetune.train.accelerator import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -165,10 +165,10 @@ BATCH_SAMPLER_UNDER_DEEPSPEED = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
-from finetune.config import TrainConfig
-from finetune.rehearse import shrunk_model_config
-from finetune.run import resolve
-from finetune.strategies import build_accelerator
+from finetune.config.options import TrainConfig
+from finetune.launch.rehearse import shrunk_model_config
+from finetune.train.run import resolve
+from finetune.train.accelerator import build_accelerator
 
 run, _ = resolve(TrainConfig(model="tiny", micro_batch_size=2, deepspeed=sys.argv[1], output_dir=sys.argv[2]))
 accelerator = build_accelerator(run)

@@ -13,10 +13,10 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from finetune import loop
-from finetune.config import parse_config
+from finetune.train import loop
+from finetune.config.options import parse_config
 from finetune.data import Collator, prepare_data
-from finetune.metrics import read_metrics
+from finetune.train.metrics import read_metrics
 
 SHORT_RUN = ["--max-steps", "6", "--micro-batch-size", "8", "--max-eval-examples", "32", "--warmup-steps", "2",
              "--log-every", "2", "--num-samples", "2"]
@@ -41,7 +41,7 @@ def eval_loss_of_saved(output_dir, method: str) -> float:
 
         kwargs = {}
         if method == "qlora":
-            from finetune.modeling import nf4_config
+            from finetune.models.loading import nf4_config
 
             kwargs["quantization_config"] = nf4_config(torch.float32)
         model = AutoPeftModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32, **kwargs)

@@ -34,10 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from finetune.catalog import gpus as gpu_catalog  # noqa: E402
-from finetune.catalog.models import get as catalog_model  # noqa: E402
-from finetune.planner.memory import CUDA_CONTEXT_GIB  # noqa: E402
-from finetune.planner.params import count_params  # noqa: E402
+from finetune.plan import gpus as gpu_catalog  # noqa: E402
+from finetune.models.catalog import get as catalog_model  # noqa: E402
+from finetune.plan.memory import CUDA_CONTEXT_GIB  # noqa: E402
+from finetune.plan.params import count_params  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-7b", "llama-3.1-8b")
 METHODS = ("full", "lora", "qlora")
@@ -92,10 +92,10 @@ def predict(row: Row, gpu: str, data: Path | str, output_dir: Path | str) -> dic
     """What `finetune --dry-run --json` prints as plans[0] for the row's training flags (without
     building the model): the planner's prediction for exactly the run those flags resolve to on
     `gpu`. The catalog name stands in for the random-init checkpoint of the same shape."""
-    from finetune.config import parse_config
-    from finetune.planner.report import plan_dict
-    from finetune.resolved import Device, Launch, resolve_run
-    from finetune.runplan import plan_run
+    from finetune.config.options import parse_config
+    from finetune.plan.report import plan_dict
+    from finetune.config.resolve import Device, Launch, resolve_run
+    from finetune.train.dry_run import plan_run
 
     spec = gpu_catalog.get(gpu)
     run = resolve_run(parse_config(row.train_flags(row.model, data, output_dir)), Launch(),
@@ -124,8 +124,8 @@ def random_checkpoint(model: str, cache: Path, timeout_s: float) -> Path:
         needed = 2 * count_params(catalog_model(model)).total * 1.05
         if shutil.disk_usage(cache).free < needed:
             raise OSError(f"{needed / 2**30:.0f} GiB of disk needed for the random-init {model} in {cache}")
-        code = ("import sys, torch; from pathlib import Path; from finetune.modeling import materialize_random_init; "
-                "from finetune.catalog.models import get; "
+        code = ("import sys, torch; from pathlib import Path; from finetune.models.loading import materialize_random_init; "
+                "from finetune.models.catalog import get; "
                 "materialize_random_init(get(sys.argv[1]), Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, device='cuda')")
         subprocess.run([sys.executable, "-c", code, model, str(directory)], check=True, cwd=REPO, timeout=max(timeout_s, 1),
                        env=os.environ | {"PYTHONPATH": str(REPO)})
@@ -266,7 +266,7 @@ def device_description(gpu: str | None) -> tuple[str, float, str]:
     capacity = props.total_memory / 2**30
     spec = gpu_catalog.identify(props.name, capacity)
     if spec is None:
-        raise SystemExit(f"{props.name} is not in the GPU catalog (finetune/catalog/gpus.py): add it, or pass --gpu")
+        raise SystemExit(f"{props.name} is not in the GPU catalog (finetune/plan/gpus.py): add it, or pass --gpu")
     versions = ", ".join(f"{name} {metadata.version(name)}" for name in ("torch", "transformers", "accelerate", "peft", "bitsandbytes"))
     return spec.name, capacity, f"{props.name} ({capacity:.1f} GiB, CUDA {torch.version.cuda}; {versions})"
 

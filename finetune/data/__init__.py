@@ -14,7 +14,7 @@ from pathlib import Path
 
 import datasets
 
-from finetune.config import TrainConfig
+from finetune.config.options import TrainConfig
 from finetune.data import cache
 from finetune.data.builtin import BUILTIN_DIR
 from finetune.data.collate import Collator

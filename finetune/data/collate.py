@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.vocabulary import IGNORE_INDEX
+from finetune.config.names import IGNORE_INDEX
 
 
 class Collator:

@@ -8,8 +8,8 @@ the job's GPUs waiting at a barrier.
 
 from __future__ import annotations
 
-from finetune import modeling
-from finetune.config import parse_config
+from finetune.models import loading
+from finetune.config.options import parse_config
 from finetune.data import prepare_data
 from finetune.errors import FinetuneError
 
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     config = parse_config(argv)
     if config.data_cache is not None and config.data_cache.lower() == "none":
         raise FinetuneError("finetune prepare fills the tokenized-data cache; drop --data-cache none.")
-    source = modeling.materialize(config)  # the same tokenizer files the training run will load
-    data = prepare_data(config, modeling.load_tokenizer(source, config.trust_remote_code))
+    source = loading.materialize(config)  # the same tokenizer files the training run will load
+    data = prepare_data(config, loading.load_tokenizer(source, config.trust_remote_code))
     print(f"{len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}), {data.origin}")
     return 0

@@ -22,7 +22,7 @@ from numbers import Number
 import datasets
 
 from finetune.errors import FinetuneError
-from finetune.vocabulary import IGNORE_INDEX
+from finetune.config.names import IGNORE_INDEX
 
 # format → (required fields, optional fields); detection tries them in this order
 FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -1,1 +1,0 @@
-"""Static tables the planner and the loader share: model architectures and GPUs (no torch)."""

@@ -1,0 +1,346 @@
+"""Run configuration: one typed dataclass, layered defaults < YAML file < CLI flags.
+
+The help text of every flag is the `help` metadata of its field, so `--help`, the README and the
+saved `run.yaml` never drift apart. Validation happens here, all at once, before any weights load.
+No torch import: `finetune plan` and `--help` stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+
+from finetune.models import catalog, source
+from finetune.errors import FinetuneError
+from finetune.config.names import METHODS, OPTIMIZERS, PRECISIONS
+
+FORMATS = ("auto", "alpaca", "chat", "sharegpt", "text")
+LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+class ConfigError(FinetuneError):
+    """A configuration problem the user can fix; the message says how."""
+
+
+def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; `run.yaml` in the output dir is this, resolved."""
+
+    # model
+    model: str = _field("tiny", "Catalog name (e.g. llama-7b, smollm2-135m, tiny), Hugging Face id, local directory, or GGUF file (converted once, cached).")
+    method: str = _field("full", "Fine-tuning method.", METHODS)
+    lora_r: int = _field(16, "LoRA rank.")
+    lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _field(0.0, "Dropout on the LoRA branch.")
+    lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
+    gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
+    trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")
+    deepspeed: str | None = _field(None, "DeepSpeed JSON (e.g. ds_configs/zero3.json); its \"auto\" values are filled from this config.")
+    preflight_timeout: float = _field(300.0, "Seconds each distributed preflight check (rendezvous, all-reduce) may take before the run stops with a diagnosis.")
+    # data
+    dataset: str = _field("builtin", "builtin, a local JSON/JSONL/CSV/Parquet file, or a Hub dataset name.")
+    format: str = _field("auto", "Dataset format; auto detects it from the columns.", FORMATS)
+    train_on_prompt: bool = _field(False, "Also compute the loss on prompt tokens (default: response only).")
+    max_seq_len: int = _field(256, "Truncate (or pack) examples to this many tokens.")
+    packing: bool = _field(False, "Pack examples into full sequences; attention never crosses examples.")
+    eval_split: str = _field("0.05", "Eval data: a split name of the dataset, or a fraction of train held out.")
+    max_eval_examples: int = _field(200, "Cap on eval examples (0: no evaluation at all).")
+    data_cache: str | None = _field(None, "Directory for tokenized data, reused by later runs with the same data, tokenizer and options (unset: $FINETUNE_DATA_CACHE, else ~/.cache/finetune/data); none: no cache.")
+    dataset_num_proc: int | None = _field(None, "Processes that tokenize (unset: one per 20,000 rows, up to the CPU count).")
+    eval_generate: int | None = _field(None, "Eval prompts to answer by greedy generation for exact match (unset: all for the builtin dataset, 0 for other data; under FSDP/ZeRO-3 each generated token gathers the model).")
+    # batch
+    micro_batch_size: int = _field(16, "Examples per forward pass per process.")
+    gradient_accumulation_steps: int | None = _field(None, "Micro-batches per optimizer step (derived from --global-batch-size if unset).")
+    global_batch_size: int | None = _field(None, "Examples per optimizer step over all processes = micro × accumulation × world size.")
+    # optimization
+    optimizer: str = _field("adamw", "adamw (torch), or bitsandbytes adamw-8bit / paged-adamw-8bit.", OPTIMIZERS)
+    lr: float | None = _field(None, "Peak learning rate before --lr-scaling (unset: 2e-5 full, 2e-4 LoRA/QLoRA, or the catalog model's own, 1e-3 for tiny).")
+    lr_scaling: str = _field("none", "Scale --lr with global batch / --base-global-batch-size.", LR_SCALINGS)
+    base_global_batch_size: int = _field(16, "Global batch size at which --lr was tuned (for --lr-scaling).")
+    lr_schedule: str = _field("cosine", "Decay after warmup, stepped once per optimizer update.", LR_SCHEDULES)
+    warmup_steps: int = _field(20, "Linear warmup from 0 over this many optimizer updates.")
+    min_lr_ratio: float = _field(0.1, "Final LR as a fraction of the peak (cosine and linear).")
+    weight_decay: float = _field(0.0, "AdamW weight decay.")
+    adam_beta1: float = _field(0.9, "AdamW β1 (first-moment decay).")
+    adam_beta2: float = _field(0.95, "AdamW β2 (second-moment decay); 0.95 is steadier than torch's 0.999 for LLMs.")
+    adam_epsilon: float = _field(1e-8, "AdamW ε added to the denominator.")
+    max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this (0 disables).")
+    max_steps: int | None = _field(None, "Optimizer updates to run (overrides --epochs).")
+    epochs: float | None = _field(None, "Passes over the training data when --max-steps is unset (unset: 1, or the catalog model's own, 4 for tiny).")
+    seed: int = _field(0, "Seed for model init, data order and dropout.")
+    precision: str = _field(
+        "auto", "-mixed: fp32 weights, 16-bit autocast; -true: 16-bit weights (LoRA adapters fp32). auto: bf16-mixed "
+        "for full, bf16-true for LoRA/QLoRA (fp16 on GPUs without bf16; the launch config's mixed_precision family "
+        "if it sets one), fp32 on CPU.", PRECISION_CHOICES)
+    gpu: str | None = _field(None, "GPU model to plan this run for (--dry-run, fit check), e.g. A100-40GB; unset: the GPU this process sees.")
+    fit_check: bool = _field(True, "On a GPU, stop before loading weights when the run's planned memory exceeds the free GPU memory or host RAM.")
+    # output
+    output_dir: str = _field("output", "Where metrics, plots, checkpoints and the final model go.")
+    log_every: int = _field(10, "Write a metrics.jsonl line every N optimizer updates.")
+    eval_every: int = _field(0, "Evaluate every N updates (0: only before and after training).")
+    report_to: str = _field("none", "Experiment tracker through Accelerate.", REPORT_TO)
+    num_samples: int = _field(3, "Sample generations printed at the end.")
+    save_final: bool = _field(True, "Save the trained model (or adapter) to --output-dir at the end.")
+    save_every: int = _field(0, "Save a resumable checkpoint every N optimizer updates and at the end (0: only on SIGTERM/SIGUSR1).")
+    keep_last: int = _field(0, "Keep only the newest K complete checkpoints (0: keep all).")
+    resume: str | None = _field(None, "auto (newest complete checkpoint in --output-dir, else start fresh) or a checkpoint/output dir path.")
+    verbose: bool = _field(False, "Also show the libraries' own logs and warnings (DeepSpeed, transformers, bitsandbytes, datasets, Hub).")
+
+    @property
+    def lora_target_modules(self) -> str | list[str]:
+        """PEFT's `target_modules`: the string 'all-linear' or a list of module names."""
+        if self.lora_targets == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """micro × accumulation × world = global, resolved once for the run."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def resolve_batch_shape(config: TrainConfig, world_size: int) -> BatchShape:
+    """Derive gradient accumulation (or check it) so micro × accum × world = global.
+
+    Raises ConfigError when the three given numbers do not multiply out.
+    """
+    micro, accum, total = config.micro_batch_size, config.gradient_accumulation_steps, config.global_batch_size
+    if micro < 1:
+        raise ConfigError(f"--micro-batch-size must be ≥ 1, got {micro}")
+    per_step = micro * world_size
+    if total is None:
+        return BatchShape(micro, accum or 1, world_size)
+    if total % per_step:
+        raise ConfigError(
+            f"--global-batch-size {total} is not a multiple of micro batch {micro} × world size "
+            f"{world_size} = {per_step}. Use e.g. --global-batch-size {max(1, round(total / per_step)) * per_step}."
+        )
+    derived = total // per_step
+    if accum is not None and accum != derived:
+        raise ConfigError(
+            f"Batch sizes do not multiply out: micro {micro} × accumulation {accum} × world size "
+            f"{world_size} = {per_step * accum}, but --global-batch-size is {total}. "
+            f"Drop one of the flags or use --gradient-accumulation-steps {derived}."
+        )
+    return BatchShape(micro, derived, world_size)
+
+
+# Usual peak LRs at global batch ~16 for 7B-class models: full fine-tuning moves every weight, so it
+# needs a 10× smaller step than LoRA's freshly initialised adapters.
+DEFAULT_LR = {"full": 2e-5, "lora": 2e-4, "qlora": 2e-4}
+
+
+def base_lr(config: TrainConfig) -> float:
+    """--lr, else the catalog model's own default, else the method's."""
+    if config.lr is not None:
+        return config.lr
+    spec = catalog.lookup(config.model)
+    return spec.default_lr if spec is not None and spec.default_lr else DEFAULT_LR[config.method]
+
+
+def planned_epochs(config: TrainConfig) -> float:
+    """--epochs, else the catalog model's own default, else one pass."""
+    if config.epochs is not None:
+        return config.epochs
+    spec = catalog.lookup(config.model)
+    return spec.default_epochs if spec is not None and spec.default_epochs else 1.0
+
+
+def scaled_lr(config: TrainConfig, global_batch_size: int) -> float:
+    """Peak LR after --lr-scaling: linear or square-root in global batch / base global batch."""
+    ratio = global_batch_size / config.base_global_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
+    return base_lr(config) * factor
+
+
+def validate(config: TrainConfig) -> None:
+    """Check every field at once; raise one ConfigError listing all problems with their fixes."""
+    problems = []
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices and value not in choices:
+            problems.append(f"--{_flag(f.name)} {value!r} is not one of {', '.join(choices)}")
+    positive = ("lora_r", "lora_alpha", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size")
+    for name in positive:
+        if getattr(config, name) < 1:
+            problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")
+    not_negative = ("save_every", "keep_last", "warmup_steps", "eval_every", "num_samples", "max_eval_examples",
+                    "weight_decay", "max_grad_norm")
+    for name in not_negative:
+        if getattr(config, name) < 0:
+            problems.append(f"--{_flag(name)} must be ≥ 0, got {getattr(config, name)}")
+    if not 0 <= config.min_lr_ratio <= 1:
+        problems.append(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if config.preflight_timeout <= 0:
+        problems.append(f"--preflight-timeout must be > 0, got {config.preflight_timeout}")
+    try:
+        if not 0 < float(config.eval_split) < 1:
+            problems.append(f"--eval-split {config.eval_split}: a held-out fraction must be between 0 and 1")
+    except ValueError:
+        pass  # a split name, checked against the dataset's splits when it loads
+    for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps", "dataset_num_proc"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
+    if config.eval_generate is not None and config.eval_generate < 0:
+        problems.append(f"--eval-generate must be ≥ 0, got {config.eval_generate}")
+    if config.max_eval_examples == 0 and (config.eval_every or config.eval_generate):
+        problems.append("--max-eval-examples 0 turns evaluation off; drop --eval-every/--eval-generate or allow eval examples")
+    if config.lr is not None and not (0 < config.lr < math.inf):
+        problems.append(f"--lr must be a positive number, got {config.lr}")
+    if config.epochs is not None and config.epochs <= 0 and config.max_steps is None:
+        problems.append(f"--epochs must be > 0, got {config.epochs}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            problems.append(f"--{_flag(name)} must be in [0, 1), got {getattr(config, name)}")
+    if config.adam_epsilon <= 0:
+        problems.append(f"--adam-epsilon must be > 0, got {config.adam_epsilon}")
+    if not 0 <= config.lora_dropout < 1:
+        problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    model_problem = source.model_problem(config.model)
+    if model_problem:
+        problems.append(model_problem)
+    if problems:
+        raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+# ---------------------------------------------------------------- YAML and command line
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """int for `int | None`, etc. (annotations are strings under `from __future__ import annotations`)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    origin = get_origin(annotation)
+    if origin is not None:
+        return next(a for a in get_args(annotation) if a is not type(None))
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a run YAML; errors name the file, line and the unknown keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"Invalid YAML in {path}{where}: {getattr(e, 'problem', e)}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    data.pop("resolved", None)  # derived values that `save_yaml` records for reading, not options
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}. See `python -m finetune --help`.")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in data and data[f.name] is not None:
+            kind = _base_type(f.type)
+            value = data[f.name]
+            if kind is float and isinstance(value, str):
+                try:  # PyYAML reads exponents without a dot (1e-3) as strings
+                    value = data[f.name] = float(value)
+                except ValueError:
+                    pass
+            ok = isinstance(value, kind) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"{path}: key '{f.name}' should be {kind.__name__}, got {value!r}")
+    return data
+
+
+def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
+    """An argparse parser with one flag per TrainConfig field; defaults are left as None so that
+    only flags the user typed override the YAML file."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Fine-tune a language model with one Accelerate training loop. "
+        "Subcommands: prepare, plan, rehearse, export, slurm, doctor, scaling (see `finetune SUBCOMMAND --help`).",
+    )
+    parser.add_argument("--config", help="YAML file of options; flags given on the command line override it.")
+    parser.add_argument("--dry-run", action="store_true", help="Build the run on fake tensors, print its plan "
+                        "(per-GPU memory as planned and as built) and exit without loading weights.")
+    parser.add_argument("--json", action="store_true", help="With --dry-run: print the plan as `finetune plan --json` does.")
+    for f in dataclasses.fields(TrainConfig):
+        kind = _base_type(f.type)
+        help_text = f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else "")
+        if kind is bool:
+            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(
+                f"--{_flag(f.name)}", type=kind, default=None, choices=f.metadata["choices"], help=help_text,
+                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
+            )
+    return parser
+
+
+# every option: how a config built in code reads (it means each value it holds; see Command.given)
+EVERY_OPTION = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
+@dataclass(frozen=True)
+class Command:
+    """A training command line: the run it describes, whether to only plan it, and which options
+    the user set (a flag or a --config YAML key) rather than left at their defaults. A DeepSpeed
+    JSON's optimizer and scheduler choices are adopted only for options not in `given`."""
+
+    config: TrainConfig
+    dry_run: bool = False
+    json: bool = False
+    given: frozenset[str] = EVERY_OPTION
+
+
+def parse_command(argv: list[str] | None) -> Command:
+    """defaults < --config YAML < flags, then validated."""
+    args = vars(build_parser().parse_args(argv))
+    modes = {name: args.pop(name) for name in ("dry_run", "json")}
+    values = load_yaml(args.pop("config")) if args.get("config") else {}
+    values.update({key: value for key, value in args.items() if value is not None})
+    config = TrainConfig(**values)
+    validate(config)
+    return Command(config, **modes, given=frozenset(key for key, value in values.items() if value is not None))
+
+
+def parse_config(argv: list[str] | None) -> TrainConfig:
+    return parse_command(argv).config
+
+
+def save_yaml(config: TrainConfig, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    """Write the resolved configuration (plus derived values under `resolved:`) as YAML."""
+    data = config.to_dict()
+    if extra:
+        data["resolved"] = extra
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,261 @@
+"""A run resolved once: every value the flags leave open, decided before any weights load.
+
+`resolve_run(config, launch, device)` turns the flags, what the launcher announced (processes,
+machines, strategy, offload, the DeepSpeed JSON) and the device into one frozen `ResolvedRun`.
+Everything downstream reads it instead of re-deriving values: the Accelerator builder, model
+loading, the DeepSpeed resolver, resume identity, the checkpoint manifest, `--dry-run`, the fit
+check and the planner's translation of the run (`planner.workload.from_run`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from finetune.config import deepspeed_json
+from finetune.models import source as model_source
+from finetune.models.catalog import ModelSpec
+from finetune.config.options import EVERY_OPTION, BatchShape, ConfigError, TrainConfig, resolve_batch_shape, scaled_lr, validate
+from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
+
+# how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
+LAUNCH_DEEPSPEED = "accelerate config (deepspeed_config section; delete a key there to let finetune set it)"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher (accelerate launch / torchrun, or none) decided for this process's job."""
+
+    world_size: int = 1
+    num_machines: int = 1
+    fsdp: bool = False
+    fsdp_version: int = 2
+    fsdp_offload_params: bool = False
+    fsdp_cpu_ram_efficient_loading: bool = False
+    deepspeed: bool = False  # accelerate launch --use_deepspeed / a DEEPSPEED config
+    deepspeed_config_file: str | None = None
+    deepspeed_zero_stage: int | None = None  # the accelerate config's own zero_stage, if it sets one
+    mixed_precision: str | None = None  # the accelerate config's bf16 | fp16; None when unset or "no"
+    rank: int = 0
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.world_size // self.num_machines)
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Launch:
+        """Read the variables `accelerate launch` and torchrun set for each process (`environ`:
+        this process's environment, looked up at call time since libraries may rebind os.environ)."""
+        environ = os.environ if environ is None else environ
+        def flag(name: str) -> bool:
+            return environ.get(name, "false").lower() == "true"
+
+        world = int(environ.get("WORLD_SIZE", "1"))
+        local_world = int(environ.get("LOCAL_WORLD_SIZE", world))
+        mixed = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        ds_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        return cls(
+            world_size=world,
+            num_machines=int(environ.get("GROUP_WORLD_SIZE", max(1, world // max(1, local_world)))),
+            fsdp=flag("ACCELERATE_USE_FSDP"),
+            fsdp_version=int(environ.get("FSDP_VERSION", "1")),  # Accelerate's default when the config names none
+            fsdp_offload_params=flag("FSDP_OFFLOAD_PARAMS"),
+            fsdp_cpu_ram_efficient_loading=flag("FSDP_CPU_RAM_EFFICIENT_LOADING"),
+            deepspeed=flag("ACCELERATE_USE_DEEPSPEED"),
+            deepspeed_config_file=None if ds_file == "none" else ds_file,
+            deepspeed_zero_stage=int(environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"]) if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in environ else None,
+            mixed_precision=None if mixed == "no" else mixed,
+            rank=int(environ.get("RANK", "0")),
+        )
+
+    @classmethod
+    def from_accelerate_config(cls, path: str | None, num_processes: int) -> Launch:
+        """What `accelerate launch [--config_file path] --num_processes N` announces to each
+        process, read from the file instead of the environment (no file: `--multi_gpu`)."""
+        settings = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+        kind = str(settings.get("distributed_type", "MULTI_GPU")).upper()
+        fsdp, deepspeed = settings.get("fsdp_config") or {}, settings.get("deepspeed_config") or {}
+        mixed = str(settings.get("mixed_precision") or "no")
+        return cls(
+            world_size=num_processes,
+            num_machines=int(settings.get("num_machines", 1)),
+            fsdp=kind == "FSDP",
+            fsdp_version=int(fsdp.get("fsdp_version", 1)),
+            fsdp_offload_params=bool(fsdp.get("fsdp_offload_params")),
+            fsdp_cpu_ram_efficient_loading=bool(fsdp.get("fsdp_cpu_ram_efficient_loading")),
+            deepspeed=kind == "DEEPSPEED",
+            deepspeed_config_file=deepspeed.get("deepspeed_config_file"),
+            deepspeed_zero_stage=deepspeed.get("zero_stage"),
+            mixed_precision=None if mixed == "no" else mixed,
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """The accelerator this process trains on, as far as choosing a precision and a plan needs."""
+
+    cuda: bool = False
+    name: str | None = None  # e.g. "NVIDIA A100-SXM4-40GB"
+    bf16: bool = False
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class DeepSpeedSetup:
+    """A resolved DeepSpeed configuration and where it came from."""
+
+    source: str  # the JSON path, or LAUNCH_DEEPSPEED for `--use_deepspeed --zero_stage N` launches
+    config: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """How messages name it: the file's name, or the accelerate config."""
+        return self.source if self.source == LAUNCH_DEEPSPEED else Path(self.source).name
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One training run with nothing left open (see the module docstring)."""
+
+    config: TrainConfig  # as given, with what a DeepSpeed JSON's optimizer/scheduler decided (see resolve_run)
+    source: str  # where the weights come from: a local directory or a Hub id
+    spec: ModelSpec | None  # the architecture, when the planner can read it without downloading
+    batch: BatchShape
+    peak_lr: float
+    precision: Precision
+    strategy: Strategy
+    offload: str  # none | optimizer | params
+    launch: Launch
+    deepspeed: DeepSpeedSetup | None
+    random_init: bool = False  # a catalog shape without published weights (`tiny`): written once, seeded
+    max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
+
+    @property
+    def world_size(self) -> int:
+        return self.batch.world_size
+
+    def with_max_steps(self, max_steps: int) -> ResolvedRun:
+        return replace(self, max_steps=max_steps)
+
+
+def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: frozenset[str] = EVERY_OPTION) -> ResolvedRun:
+    """Decide every open value of `config` for this launch and device.
+
+    `given` names the options the user set (`config.Command.given`); for the others, a DeepSpeed
+    JSON's optimizer and scheduler choices (lr, betas, eps, weight decay, schedule, warmup, length)
+    are adopted into the run's config, so the loop, run.yaml, resume identity and the planner all
+    see them. By default every option counts as given: a config built in code means what it says.
+
+    Raises ConfigError when the batch sizes do not multiply out, the precision cannot run here or
+    contradicts the launch config, or a DeepSpeed JSON disagrees with the run.
+    """
+    written = deepspeed_as_written(config, launch)
+    adopted = {} if written is None else deepspeed_json.adopt(written.config, config, given)
+    config = with_adopted(config, adopted, written)
+    source, spec = model_source.resolve_source(config.model, config.output_dir)
+    batch = resolve_batch_shape(config, launch.world_size)
+    family = launch.mixed_precision or (None if written is None else deepspeed_json.precision_family(written.config))
+    precision = resolve_precision(config.precision, config.method, device, family)
+    peak_lr = scaled_lr(config, batch.global_batch_size)
+    deepspeed = None
+    if written is not None:
+        deepspeed = resolve_deepspeed(written, config, batch, precision, peak_lr, spec, adopted)
+        stage = deepspeed_json.zero_stage(deepspeed.config)
+        strategy = zero_strategy(stage, written.name)
+        if written.source != LAUNCH_DEEPSPEED and launch.deepspeed_zero_stage not in (None, stage):
+            raise ConfigError(
+                f"The accelerate config sets zero_stage {launch.deepspeed_zero_stage} but {written.name} says stage {stage}; "
+                "delete zero_stage from the accelerate config (the JSON decides it) or make them agree."
+            )
+        devices = deepspeed_json.offload_devices(deepspeed.config)
+        offload = "params" if "param" in devices else "optimizer" if devices else "none"
+    elif launch.fsdp:
+        if launch.fsdp_version != 2:  # FSDP1 cannot save optimizer state of sharded models reliably; legacy in Accelerate
+            raise ConfigError(
+                f"The accelerate config sets fsdp_version {launch.fsdp_version}; finetune runs FSDP2. "
+                "Set `fsdp_version: 2` under fsdp_config (see accelerate_configs/fsdp.yaml)."
+            )
+        strategy, offload = STRATEGIES["fsdp"], "params" if launch.fsdp_offload_params else "none"
+    else:
+        strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
+    check_precision(precision, config.method, strategy.name)
+    return ResolvedRun(config=config, source=source, spec=spec or model_source.architecture_of(config.model), batch=batch,
+                       peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload, launch=launch,
+                       deepspeed=deepspeed, random_init=spec is not None and spec.random_init)
+
+
+def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:
+    """The run's Precision. `auto`: fp32 on CPU (so CPU rehearsals compare exact numbers); on a GPU
+    the launch's family if it fixes one (the accelerate config's mixed_precision, or a DeepSpeed
+    JSON's bf16/fp16 section set to true), else bf16 where supported, else fp16 (see
+    `vocabulary.default_precision`). An explicit precision must agree with the launch's family."""
+    if requested == "auto":
+        if not device.cuda:
+            precision = PRECISIONS["fp32"]
+        elif launcher in ("bf16", "fp16"):
+            precision = default_precision(method, bf16=launcher == "bf16")
+        else:
+            precision = default_precision(method, bf16=device.bf16)
+    else:
+        precision = PRECISIONS[requested]
+        if launcher is not None and precision.accelerate != launcher:
+            raise ConfigError(
+                f"--precision {requested} computes in {precision.compute}, but the launch fixes {launcher} (the "
+                f"accelerate config's mixed_precision, or the DeepSpeed JSON's {launcher}.enabled). Remove that setting "
+                "(finetune sets it from --precision) or make them agree."
+            )
+    if device.cuda and precision.compute == "bfloat16" and not device.bf16:
+        raise ConfigError(f"--precision {precision.name}: {device.name or 'this GPU'} has no bf16; use fp16-mixed or fp16-true.")
+    if not device.cuda and precision.compute == "float16":
+        raise ConfigError(f"--precision {precision.name} needs a GPU (fp16 loss scaling); on CPU use fp32 or bf16-*.")
+    return precision
+
+
+def deepspeed_as_written(config: TrainConfig, launch: Launch) -> DeepSpeedSetup | None:
+    """The run's DeepSpeed configuration before resolution, or None when DeepSpeed is off.
+
+    Sources, in order: --deepspeed, the accelerate config's `deepspeed_config_file`, or the config
+    Accelerate builds from `--use_deepspeed --zero_stage N` (its "auto" batch values are filled too,
+    so packed or batch-sampler dataloaders never reach Accelerate's `None * int`, accelerate#841).
+    """
+    path = config.deepspeed or launch.deepspeed_config_file
+    if path is not None:
+        return DeepSpeedSetup(source=str(path), config=deepspeed_json.load(path))
+    if launch.deepspeed:
+        from accelerate.utils import DeepSpeedPlugin  # reads the launch's DeepSpeed variables
+
+        return DeepSpeedSetup(source=LAUNCH_DEEPSPEED, config=DeepSpeedPlugin().deepspeed_config)
+    return None
+
+
+def with_adopted(config: TrainConfig, adopted: dict, written: DeepSpeedSetup | None) -> TrainConfig:
+    """`config` with the options a DeepSpeed JSON decided (see `deepspeed_json.adopt`), validated
+    like flags, with errors that name the file."""
+    if not adopted:
+        return config
+    config = replace(config, **{option: value for option, (value, _) in adopted.items()})
+    try:
+        validate(config)
+    except ConfigError as e:
+        raise ConfigError(f"{written.name}: values adopted from its optimizer/scheduler sections are invalid. {e}") from e
+    return config
+
+
+def resolve_deepspeed(written: DeepSpeedSetup, config: TrainConfig, batch: BatchShape, precision: Precision,
+                      peak_lr: float, spec: ModelSpec | None, adopted: dict) -> DeepSpeedSetup:
+    """`written` with every "auto" and missing run-owned key filled from the run, checked against
+    it, and a note of what the run adopted from it."""
+    hidden_size = spec.hidden_size if spec is not None else model_source.model_hidden_size(config.model)
+    run = deepspeed_json.RunValues.from_config(config, batch, precision.name, peak_lr, hidden_size)
+    resolved, notes = deepspeed_json.resolve(written.config, written.name, run)
+    if adopted:
+        flags = ", ".join(f"--{option.replace('_', '-')} {format(value, 'g') if isinstance(value, float) else value} ({key})"
+                          for option, (value, key) in adopted.items())
+        notes = [f"{written.name}: adopted where no flag was given: {flags}", *notes]
+    return replace(written, config=resolved, notes=notes)

@@ -1,0 +1,1 @@
+"""A trained run to one model: safetensors, GGUF, model card, Hub."""

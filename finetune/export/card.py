@@ -1,0 +1,168 @@
+"""The `README.md` every export writes: a Hugging Face model card (YAML front matter + body) built
+from what the run recorded — its resolved config (a checkpoint's manifest, or run.yaml beside a
+final model), steps and tokens trained, and the eval records of metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+import finetune
+from finetune.checkpoint.layout import MANIFEST
+from finetune.train.metrics import read_metrics
+
+# licenses of catalogued base models, by Hub id prefix (the model pages' `license:` fields)
+LICENSES = {
+    "meta-llama/Llama-2-": "llama2",
+    "meta-llama/Llama-3.1-": "llama3.1",
+    "meta-llama/Llama-3.2-": "llama3.2",
+    "mistralai/Mistral-7B-v0.1": "apache-2.0",
+    "Qwen/Qwen2.5-72B": "other",  # the Qwen license; its smaller siblings are Apache-2.0
+    "Qwen/Qwen2.5-": "apache-2.0",
+    "HuggingFaceTB/SmolLM2-": "apache-2.0",
+}
+METHOD_NAMES = {"full": "Full fine-tuning", "lora": "LoRA", "qlora": "QLoRA (LoRA on a 4-bit NF4 base)"}
+EVAL_METRICS = {"eval_loss": "eval loss", "exact_match": "exact match (greedy)"}
+# the run options a card shows; "?" where a record lacks one (a manifest written by another version)
+CARD_OPTIONS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "dataset", "format",
+                "micro_batch_size", "max_seq_len", "packing", "lr", "lr_schedule", "warmup_steps", "optimizer",
+                "precision", "seed")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run recorded about the training behind an export."""
+
+    config: dict  # TrainConfig.to_dict()
+    resolved: dict  # derived values: global batch, max steps, peak lr, precision, strategy, examples
+    step: int
+    tokens_seen: int | None
+    evals: list[dict]  # metrics.jsonl records holding eval metrics, up to `step`
+
+
+def read_run_record(trained) -> RunRecord:
+    """The record of `trained` (an export.Trained): a checkpoint's manifest, or the finished run's
+    run.yaml and summary.json; eval records from the output dir's metrics.jsonl."""
+    if trained.is_checkpoint:
+        manifest = json.loads((trained.path / MANIFEST).read_text())
+        config, resolved = manifest["config"], manifest.get("run") or {}
+        step, tokens = manifest["step"], manifest.get("tokens_seen")
+        output_dir = trained.path.parent.parent
+    else:
+        run = yaml.safe_load((trained.path / "run.yaml").read_text())
+        resolved = run.pop("resolved", None) or {}
+        config, output_dir = run, trained.path
+        summary_path = trained.path / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        step, tokens = summary.get("steps", resolved.get("max_steps", 0)), summary.get("tokens_seen")
+    metrics = output_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    evals = [r for r in records if any(k in r for k in EVAL_METRICS) and r["step"] <= step]
+    return RunRecord(config=config, resolved=resolved, step=step, tokens_seen=tokens, evals=evals)
+
+
+def base_model_id(config: dict) -> str | None:
+    """The Hub id of the model the run started from: a catalog entry's (or the repo its GGUF was
+    converted from), or --model itself when it names a Hub repo (not a local path or file)."""
+    from finetune.models.catalog import lookup
+
+    model = config["model"]
+    spec = lookup(model)
+    if spec is not None:
+        return spec.hf_id or spec.converted_from
+    if model.count("/") == 1 and not Path(model).exists() and not model.endswith((".gguf", ".safetensors")):
+        return model
+    return None
+
+
+def license_of(hub_id: str | None) -> str | None:
+    return next((lic for prefix, lic in LICENSES.items() if hub_id and hub_id.startswith(prefix)), None)
+
+
+def model_card(record: RunRecord, export_format: str, title: str) -> str:
+    """The card's text: YAML front matter in the Hub's model-card format, then a Markdown body."""
+    from huggingface_hub import ModelCardData
+
+    config, resolved = dict.fromkeys(CARD_OPTIONS, "?") | record.config, record.resolved
+    base = base_model_id(config)
+    method = config["method"] if config["method"] in METHOD_NAMES else "full"
+    gguf = export_format.startswith("GGUF")
+    adapter = export_format == "PEFT adapter"
+    dataset = config["dataset"] or "?"
+    hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
+    data = ModelCardData(
+        base_model=base, license=license_of(base), pipeline_tag="text-generation",
+        library_name="gguf" if gguf else "peft" if adapter else "transformers",
+        datasets=[hub_dataset] if hub_dataset else None,
+        tags=["finetune", "full-fine-tuning" if method == "full" else method] + (["gguf"] if gguf else []),
+    )
+    summary = f"{METHOD_NAMES[method]} of `{base or config['model']}` with finetune {finetune.__version__}, exported as {export_format}."
+    lines = [f"# {title}", "", summary, "",
+             "## Training", "", "| | |", "|---|---|"]
+    rows = {
+        "base model": f"`{config['model']}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else ""),
+        "method": METHOD_NAMES[method] + (
+            f": r={config['lora_r']}, alpha={config['lora_alpha']}, dropout={config['lora_dropout']}, "
+            f"targets {config['lora_targets']}" if method != "full" else ""),
+        "data": f"`{dataset}` ({resolved.get('format', config['format'])}; "
+                f"{_count(resolved.get('train_examples'))} train / {_count(resolved.get('eval_examples'))} eval examples)",
+        "optimizer steps": f"{record.step:,}" + (f" of {resolved['max_steps']:,}" if resolved.get("max_steps") else ""),
+        "tokens trained on": _count(record.tokens_seen),
+        "batch": (f"micro {config['micro_batch_size']} × accumulation {resolved.get('gradient_accumulation_steps', '?')}"
+                  f" × {resolved.get('world_size', '?')} processes = {resolved.get('global_batch_size', '?')} examples"),
+        "max sequence length": f"{_count(config['max_seq_len'])} tokens" + (" (packed)" if config["packing"] is True else ""),
+        "learning rate": f"{_number(resolved.get('peak_lr', config['lr']))} peak, {config['lr_schedule']} schedule, "
+                         f"{config['warmup_steps']} warmup steps, {config['optimizer']}",
+        "precision": resolved.get("precision", config["precision"]),
+        "strategy": resolved.get("strategy", "?"),
+        "seed": config["seed"],
+    }
+    lines += [f"| {k} | {v} |" for k, v in rows.items()]
+    lines += ["", "## Evaluation", ""]
+    lines += _eval_table(record.evals) or ["No evaluation was recorded (the run had --max-eval-examples 0 or no eval split)."]
+    lines += ["", "## Use", "", *_usage(gguf, adapter, base), ""]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+def _eval_table(evals: list[dict]) -> list[str]:
+    """Held-out metrics at the first and the last eval of the run (before and after training)."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    lines = [f"On the run's held-out split, at step {first['step']} and step {last['step']}:", "",
+             f"| metric | step {first['step']} | step {last['step']} |", "|---|---|---|"]
+    for key, label in EVAL_METRICS.items():
+        if key in first or key in last:
+            lines.append(f"| {label} | {_number(first.get(key))} | {_number(last.get(key))} |")
+    return lines
+
+
+def _usage(gguf: bool, adapter: bool, base: str | None) -> list[str]:
+    if gguf:
+        return ["```sh", "llama-cli -m model-*.gguf -cnv", "```", "",
+                "or in Python: `AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)`."]
+    if adapter:
+        return ["```python", "from peft import AutoPeftModelForCausalLM",
+                "model = AutoPeftModelForCausalLM.from_pretrained(folder)  # loads the base, then the adapter", "```"]
+    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "model = AutoModelForCausalLM.from_pretrained(folder)",
+            "tokenizer = AutoTokenizer.from_pretrained(folder)", "```"]
+
+
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def _number(value) -> str:
+    return "–" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def write_model_card(trained, out: Path, export_format: str, title: str | None = None) -> Path:
+    """Write `<out>/README.md` for the export of `trained` (an export.Trained) as `export_format`;
+    the title defaults to the folder's name."""
+    path = Path(out) / "README.md"
+    path.write_text(model_card(read_run_record(trained), export_format, title=title or Path(out).name))
+    return path

@@ -1,0 +1,57 @@
+"""`finetune export CHECKPOINT_OR_OUTPUT_DIR --out DIR [--merge-lora] [--dtype bf16|fp16|fp32] [--format gguf]`.
+
+The command line of export: safetensors.py writes a Hugging Face folder (or a PEFT adapter), gguf.py one
+llama.cpp file, card.py the README.md model card, hub.py the upload (checked before anything is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from finetune.export import hub
+from finetune.export.gguf import GGUF_TYPES, export_gguf
+from finetune.export.safetensors import DTYPES, export, find_trained
+from finetune.library_logs import quiet_libraries
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune export",
+        description="Export a training checkpoint to a Hugging Face folder (sharded safetensors + config + "
+        "tokenizer), or a LoRA/QLoRA checkpoint to a PEFT adapter (merged into the base with --merge-lora), or to "
+        "one GGUF file (--format gguf); with a README.md model card.",
+    )
+    parser.add_argument("checkpoint", help="A checkpoint folder (…/checkpoints/step-000200) or an output dir "
+                        "(its final model, or its newest complete checkpoint if that is newer).")
+    parser.add_argument("--out", required=True, help="Folder to write; must be new or empty.")
+    parser.add_argument("--merge-lora", action="store_true", help="Merge LoRA/QLoRA adapters into the base weights.")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="Weights dtype (default: the model config's dtype).")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file, e.g. 5GB or 500MB "
+                        "(a smaller model is one model.safetensors; larger ones are numbered shards + index).")
+    parser.add_argument("--format", choices=("safetensors", "gguf"), default="safetensors",
+                        help="safetensors: a Hugging Face folder; gguf: one llama.cpp file (Llama-family models with a "
+                        "byte-level BPE tokenizer; LoRA is merged first).")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f16", help="Tensor type of --format gguf "
+                        "(norms stay f32; q8_0 keeps f16 for rows not a multiple of 32).")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="Upload the export to this Hugging Face Hub repo "
+                        "(created if missing; checked before anything is written).")
+    parser.add_argument("--verbose", action="store_true", help="Also show the libraries' own logs and warnings.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        quiet_libraries()
+    if args.push_to_hub:
+        hub.check_can_push(args.push_to_hub)
+    if args.format == "gguf":
+        out = export_gguf(args.checkpoint, args.out, args.gguf_type)
+    else:
+        out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
+                     max_shard_size=args.max_shard_size)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"exported {find_trained(args.checkpoint).path} → {out}: {', '.join(files)}")
+    if args.push_to_hub:
+        print(f"uploaded to {hub.push(out, args.push_to_hub)}")
+    return 0

@@ -1,0 +1,1 @@
+"""Beyond one process: rehearse, Slurm, scaling, bandwidth, doctor."""

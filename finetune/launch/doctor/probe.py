@@ -1,0 +1,140 @@
+"""What one process sees of its machine: GPUs, driver, NCCL, topology, environment, RAM, disk,
+the default accelerate config and package versions, as a JSON-serialisable `Machine`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from finetune.checkpoint.identity import package_versions
+
+GIB = 2**30
+
+
+@dataclass
+class Machine:
+    """What one process sees of its machine; JSON-serialisable so ranks can exchange it."""
+
+    host: str
+    rank: int = 0
+    local_rank: int = 0
+    machine_rank: int = 0
+    gpus: list[dict] = field(default_factory=list)  # index, name, memory_gib, capability, bf16
+    gpus_on_machine: int | None = None  # nvidia-smi's count, before CUDA_VISIBLE_DEVICES; None without nvidia-smi
+    cuda_visible_devices: str | None = None
+    driver: str | None = None
+    driver_cuda: str | None = None  # newest CUDA the driver supports
+    nccl: str | None = None
+    links: list[list] = field(default_factory=list)  # [i, j, nvidia-smi topo code, peer access]
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    interfaces: list[str] = field(default_factory=list)
+    shm_bytes: int | None = None
+    ram_total_bytes: int = 0
+    ram_available_bytes: int = 0
+    output_dir: str = "output"
+    disk_free_bytes: int = 0
+    accelerate_config_file: str | None = None
+    accelerate_config: dict | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return sum(gpu["memory_gib"] for gpu in self.gpus) * GIB
+
+
+def probe(output_dir: str) -> Machine:
+    cuda = torch.cuda.is_available()
+    gpus = []
+    for index in range(torch.cuda.device_count() if cuda else 0):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append({"index": index, "name": props.name, "memory_gib": round(props.total_memory / GIB, 1),
+                     "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8})
+    smi_count = nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    header = nvidia_smi() or ""
+    driver_cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)) if Path("/proc/meminfo").is_file() else {}
+    from accelerate.commands.config import default_config_file
+
+    launch_file = Path(default_config_file)
+    return Machine(
+        host=socket.gethostname(),
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        machine_rank=int(os.environ.get("GROUP_RANK", "0")),
+        gpus=gpus,
+        gpus_on_machine=len(smi_count.split()) if smi_count is not None else None,
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        driver=(nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or "").split("\n")[0].strip() or None,
+        driver_cuda=driver_cuda.group(1) if driver_cuda else None,
+        nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.distributed.is_nccl_available() else None,
+        links=probe_links(len(gpus)),
+        nccl_env={name: value for name, value in os.environ.items() if name.startswith("NCCL_")},
+        interfaces=sorted(os.listdir("/sys/class/net")) if Path("/sys/class/net").is_dir() else [],
+        shm_bytes=_filesystem_size("/dev/shm"),
+        ram_total_bytes=int(meminfo.get("MemTotal", 0)) * 1024,
+        ram_available_bytes=int(meminfo.get("MemAvailable", 0)) * 1024,
+        output_dir=output_dir,
+        disk_free_bytes=shutil.disk_usage(_existing_ancestor(Path(output_dir))).free,
+        accelerate_config_file=str(launch_file) if launch_file.is_file() else None,
+        accelerate_config=yaml.safe_load(launch_file.read_text()) if launch_file.is_file() else None,
+        versions=package_versions(),
+    )
+
+
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None when it is missing or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def probe_links(count: int) -> list[list]:
+    """[i, j, topology code, peer access] per GPU pair: codes from `nvidia-smi topo -m`
+    (NV# = NVLink with # links; PIX, PXB, PHB, NODE, SYS = PCIe paths, from one switch to across sockets)."""
+    if count < 2:
+        return []
+    codes = parse_topology(nvidia_smi("topo", "-m") or "")
+    return [[i, j, codes.get((i, j), "?"), torch.cuda.can_device_access_peer(i, j)]
+            for i in range(count) for j in range(i + 1, count)]
+
+
+def parse_topology(text: str) -> dict[tuple[int, int], str]:
+    """{(i, j): code} from the GPU rows of `nvidia-smi topo -m` (its header may carry ANSI styling)."""
+    lines = [line.split() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()]
+    start = next((k for k, line in enumerate(lines) if line and line[0] == "GPU0"), None)
+    if start is None:
+        return {}
+    columns = len([token for token in lines[start] if re.fullmatch(r"GPU\d+", token)])
+    codes = {}
+    for line in lines[start + 1:]:
+        if line and re.fullmatch(r"GPU\d+", line[0]):
+            i = int(line[0][3:])
+            codes.update({(i, j): code for j, code in enumerate(line[1:1 + columns]) if i != j})
+    return codes
+
+
+def _filesystem_size(path: str) -> int | None:
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_blocks * stats.f_frsize
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path

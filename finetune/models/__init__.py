@@ -1,0 +1,1 @@
+"""What --model is and how it loads: catalog, GGUF import, loading (full / LoRA / QLoRA), skeleton."""

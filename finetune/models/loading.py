@@ -1,0 +1,293 @@
+"""Load the model and tokenizer for a run: catalog name, Hugging Face id, local directory or GGUF
+file; full fine-tuning, LoRA or QLoRA (4-bit NF4 base + LoRA adapters).
+
+Catalog models without published weights (`tiny`) are initialised from their config with the run's
+seed and written to `<output_dir>/base_model`, then loaded through the same `from_pretrained` path as
+real checkpoints, so LoRA adapters and 4-bit quantization are exercised exactly as on a 7B model.
+GGUF files (and catalog models shipped as one, `smollm2-135m`) are converted once into a cached
+Hugging Face folder (see gguf_import) and load from there like any local model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from finetune.models import gguf_import
+from finetune.models import source as model_source
+from finetune.models import catalog
+from finetune.config.options import TrainConfig
+from finetune.errors import FinetuneError
+from finetune.config.resolve import ResolvedRun
+
+
+def materialize(config: TrainConfig) -> str:
+    """The run's weights source (see `resolve_source`), after writing it when finetune makes it
+    itself: a catalog shape's seeded random init, or the conversion of a GGUF file. Every process
+    may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`)."""
+    source, spec = model_source.resolve_source(config.model, config.output_dir)
+    if Path(config.model).is_dir():
+        return source
+    gguf = gguf_import.gguf_path(config.model)
+    if gguf is not None:
+        gguf_import.convert(gguf, Path(source))
+    elif spec is not None and spec.random_init:
+        materialize_random_init(spec, Path(source), seed=config.seed)
+    return source
+
+
+def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int,
+                            dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """Write a seeded random-init model of a catalog shape without published weights, with the
+    builtin tokenizer (see `write_random_init`). Benchmarks of published shapes write them once in
+    the checkpoint's 16-bit dtype and initialise on the GPU (`dtype`, `device`): a 7B shape is then
+    13 GB and seconds, not 27 GB and minutes."""
+    from finetune.data import BUILTIN_DIR
+
+    write_random_init(AutoConfig.for_model(**spec.to_hf_config_dict()), AutoTokenizer.from_pretrained(BUILTIN_DIR),
+                      directory, seed, dtype, device)
+
+
+def write_random_init(hf_config, tokenizer: PreTrainedTokenizerBase, directory: Path, seed: int,
+                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """Save a seeded random-init model of `hf_config` (config + safetensors) and `tokenizer` to
+    `directory`, which `from_pretrained` then loads like any checkpoint.
+
+    Idempotent: an existing folder is reused so resumed runs and every rank load the same weights.
+    Written to a folder per process and renamed: on a shared filesystem several nodes' main
+    processes may race here, and the first rename wins (the same seed gives the same weights).
+    """
+    if (directory / "config.json").is_file():
+        return
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    tmp = directory.with_name(f"{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    del model
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another process finished first; its weights are identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside the weights; pad falls back to EOS (Llama ships none)."""
+    tokenizer = _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
+    """The model ready to train: full, LoRA (PEFT) or QLoRA (4-bit NF4 base via bitsandbytes + LoRA).
+
+    Weights load in the precision's weight dtype (fp32 for -mixed, so the optimizer updates fp32
+    master weights; 16-bit for -true); QLoRA's 4-bit matmuls compute in the compute dtype, and the
+    modules it does not quantize (embeddings, norms, LM head) keep the weight dtype. On a GPU, runs
+    whose strategy does not shard weights load straight onto it, so host RAM holds one checkpoint
+    shard at a time rather than a copy of the model per process (FSDP and ZeRO-3 load through
+    Accelerate's rank-0 / zero.Init paths instead).
+    """
+    kwargs = model_kwargs(run)
+    if device.type == "cuda" and not run.strategy.shards_weights:
+        kwargs["device_map"] = {"": device}
+    model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation="sdpa",
+                             trust_remote_code=run.config.trust_remote_code, **kwargs)
+    return prepare_for_training(model, run.config)
+
+
+def model_kwargs(run: ResolvedRun) -> dict:
+    """`from_pretrained` dtype and quantization for the run's method and precision."""
+    kwargs: dict = {"dtype": getattr(torch, run.precision.weights)}
+    if run.config.method == "qlora":
+        kwargs["quantization_config"] = nf4_config(getattr(torch, run.precision.compute))
+    return kwargs
+
+
+def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """What every loaded model goes through before training: no KV cache, gradient checkpointing,
+    LoRA adapters, train mode. Shared by training and `--dry-run`'s meta-device build.
+
+    QLoRA needs nothing more: PEFT freezes the base, and non-reentrant checkpointing needs no
+    input-gradient hook. (PEFT's prepare_model_for_kbit_training would also upcast every
+    non-quantized weight to fp32, which is what -mixed precisions load anyway and -true ones avoid.)
+    """
+    # no KV cache in training forwards: it costs memory, and a cache object disables transformers'
+    # detection of packed sequences from position_ids (generation turns it back on per call)
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.method in ("lora", "qlora"):
+        model = _add_lora(model, config)
+    # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
+    model.train()
+    return model
+
+
+def build_skeleton(run: ResolvedRun):
+    """The model `load_model` would build, at full size, on fake tensors (shapes and dtypes, no data
+    or memory): same dtype, 4-bit replacement (transformers' own bitsandbytes integration) and
+    quantization (bitsandbytes' own, so the packed storage is what it allocates), LoRA wrapping and
+    preparation.
+    What `--dry-run` and `finetune plan --simulate` measure.
+
+    Returns (model, fake_mode): run anything that touches the model's tensors inside `with fake_mode:`.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hf_config = (AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None
+                 else AutoConfig.from_pretrained(run.source, trust_remote_code=run.config.trust_remote_code))
+    kwargs = model_kwargs(run)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"], attn_implementation="sdpa")
+    if "quantization_config" in kwargs:
+        from bitsandbytes.functional import quantize_4bit
+        from transformers.quantizers import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(kwargs["quantization_config"], pre_quantized=False)
+        quantizer.preprocess_model(model, dtype=kwargs["dtype"], device_map=None)  # nn.Linear → Linear4bit
+        # bitsandbytes builds its code tables from real values on first use: once, outside fake mode
+        quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
+    model = prepare_for_training(model, run.config)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        _give_fake_storage(model)
+    return model, fake_mode
+
+
+def _give_fake_storage(model: torch.nn.Module) -> None:
+    """Swap every meta parameter and buffer for a fake CPU tensor of the same shape and dtype; tied
+    weights stay tied. A 4-bit weight becomes what bitsandbytes' quantization allocates for it: the
+    packed weight, and its quantization state (absmax, nested absmax and code tables) as buffers."""
+    # every slot first, holding the meta tensors alive so their ids stay unique while we swap
+    slots = [(module, table, is_param, name, tensor) for module in model.modules()
+             for table, is_param in ((module._parameters, True), (module._buffers, False))
+             for name, tensor in table.items() if tensor is not None]
+    fakes: dict[int, torch.Tensor] = {}
+    quantized: dict[tuple, dict[str, torch.Tensor]] = {}  # one quantization per distinct weight shape
+    for module, table, is_param, name, tensor in slots:
+        if type(tensor).__name__ == "Params4bit":
+            key = (tuple(tensor.shape), tensor.dtype, tensor.blocksize, tensor.compress_statistics,
+                   tensor.quant_type, tensor.quant_storage)
+            if key not in quantized:
+                quantized[key] = _quantized_4bit(tensor)
+            pieces = {piece: torch.empty_like(value) for piece, value in quantized[key].items()}
+            table[name] = torch.nn.Parameter(pieces.pop("packed"), requires_grad=False)
+            for piece, value in pieces.items():
+                module.register_buffer(f"{name}_{piece}", value, persistent=False)
+            continue
+        if id(tensor) not in fakes:
+            fake = torch.empty_like(tensor, device="cpu")
+            fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+        table[name] = fakes[id(tensor)]
+
+
+def _quantized_4bit(weight) -> dict[str, torch.Tensor]:
+    """The tensors bitsandbytes allocates when it quantizes `weight` as Params4bit does: the packed
+    weight and its quantization state."""
+    from bitsandbytes.functional import quantize_4bit
+
+    packed, state = quantize_4bit(torch.empty(weight.shape, dtype=weight.dtype), blocksize=weight.blocksize,
+                                  compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
+                                  quant_storage=weight.quant_storage)
+    pieces = {"packed": packed, "absmax": state.absmax, "code": state.code}
+    if state.nested:
+        pieces |= {"offset": state.offset, "nested_absmax": state.state2.absmax, "nested_code": state.state2.code}
+    return pieces
+
+
+def check_packing_support(model: torch.nn.Module) -> None:
+    """Packed rows rely on transformers' `create_causal_mask` turning position-id resets into a
+    block-diagonal mask; models whose code builds masks another way would attend across examples."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = sys.modules[type(base.base_model).__module__]
+    if not hasattr(module, "create_causal_mask"):
+        raise FinetuneError(
+            f"--packing: {type(base).__name__} does not derive attention masks from position ids, so packed "
+            "examples would attend to each other. Drop --packing (padding is used instead)."
+        )
+
+
+def nf4_config(compute_dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise FinetuneError("--method qlora needs bitsandbytes ≥ 0.43: pip install bitsandbytes") from e
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        # same storage dtype as compute so FSDP can shard the packed 4-bit weights with everything else
+        bnb_4bit_quant_storage=compute_dtype,
+    )
+
+
+def _add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+        raise FinetuneError(f"--lora-targets {config.lora_targets!r}: {e}") from e
+
+
+def _from_pretrained(cls, source: str, **kwargs):
+    """`cls.from_pretrained` with Hub and offline failures turned into one actionable error."""
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise FinetuneError(
+            f"Could not load '{source}': {str(e).splitlines()[0]}\n"
+            "If this machine is offline or the repo is gated, download it elsewhere "
+            f"(`hf download {source} --local-dir DIR`) and pass --model DIR."
+        ) from e
+    except ValueError as e:  # unknown model_type, no causal-LM class for this config, unusable tokenizer files
+        raise FinetuneError(
+            f"Could not load '{source}': {str(e).splitlines()[0]}\n"
+            "--model must be a causal language model this transformers version knows: config.json with a "
+            "supported model_type, tokenizer files and weights."
+        ) from e
+    except RuntimeError as e:
+        if "mismatched" not in str(e) and "loading state_dict" not in str(e):
+            raise
+        raise FinetuneError(  # transformers logs which tensors differ as a warning, shown with --verbose
+            f"Could not load '{source}': its weights do not have the shapes its config.json gives "
+            "(run with --verbose to see transformers' report of each tensor)."
+        ) from e
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed and ZeRO-3 partitioned weights count as their logical size.
+
+    One count for every method: PEFT's `get_nb_trainable_parameters` exists only on a PeftModel,
+    which full fine-tuning does not have.
+    """
+    trainable = total = 0
+    for param in model.parameters():
+        quant_state = getattr(param, "quant_state", None)
+        if quant_state is not None:
+            n = math.prod(quant_state.shape)
+        else:  # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel
+            n = getattr(param, "ds_numel", param.numel())
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total

@@ -1,0 +1,154 @@
+"""What `--model` is, answered once and without torch: a catalog name (with published weights, a shape
+finetune initialises itself, or a GGUF file a package ships), a local folder, a config.json, a .gguf file,
+or a Hugging Face id; where its weights load from; and its architecture as the planner counts it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+from finetune.models import catalog, gguf_import
+from finetune.models.catalog import ModelSpec
+
+
+# what --model accepts, for errors; `finetune plan` also reads a config.json path
+MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a model directory with config.json, or a .gguf file"
+PLAN_MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, a config.json path, or a .gguf file"
+# config.json model_types whose decoder layer has the Llama layout the planner counts.
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite"}
+# config.json fields the planner counts with; each must be a positive integer where present
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def resolve_source(model: str, output_dir: str | Path) -> tuple[str, ModelSpec | None]:
+    """Where the weights of `--model` load from (local dir or Hub id) and the catalog entry, if any.
+    Cheap: the folders finetune writes itself (a random init under `output_dir`, a converted GGUF) are
+    named here and written by `loading.materialize`. `model_problem` has already refused names that are
+    none of these."""
+    if Path(model).is_dir():
+        return model, None
+    spec = catalog.lookup(model)
+    gguf = gguf_import.gguf_path(model)
+    if gguf is not None:
+        return str(gguf_import.cache_entry(gguf)), spec
+    if spec is not None:
+        if spec.random_init:
+            return str((Path(output_dir) / "base_model").resolve()), spec
+        return spec.hf_id, spec
+    return model, None  # a Hugging Face id
+
+
+def model_problem(model: str) -> str | None:
+    """Why `model` names nothing a run can load (a dataset or a config.json passed by mistake, a
+    directory without config.json, a catalog typo), or None when it may load."""
+    path = Path(model).expanduser()
+    if gguf_import.is_gguf(model) and not path.is_dir():
+        try:
+            gguf_import.check_file(path, model)
+        except FinetuneError as e:
+            return f"{e} Expected {MODEL_FORMS}."
+        return None
+    if path.is_file():
+        return f"--model {model}: a file, not a model. Expected {MODEL_FORMS}."
+    if path.is_dir():
+        try:
+            catalog.read_local_config(path, MODEL_FORMS)
+        except FinetuneError as e:
+            return str(e)
+        return None
+    if catalog.looks_like_path(model):
+        return f"--model {model}: no such directory. Expected {MODEL_FORMS}."
+    if catalog.lookup(model) is None and "/" not in model:
+        return str(catalog.unknown_model_error(model))
+    return None
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """A catalog name, a Hub id (catalog, or config.json in the local Hugging Face cache), a local
+    directory, a config.json path or a GGUF file (its metadata) → ModelSpec. Never downloads.
+    """
+    spec = catalog.lookup(name)
+    if spec is not None:
+        return spec
+    path = Path(name).expanduser()
+    if gguf_import.is_gguf(name) and not path.is_dir():
+        gguf_import.check_file(path, name)
+        return replace(spec_from_config(gguf_import.hf_config(path), name), gguf_file=str(path.resolve()))
+    if path.exists():
+        return spec_from_config(catalog.read_local_config(path, PLAN_MODEL_FORMS), name)
+    if catalog.looks_like_path(name):
+        raise FinetuneError(f"--model {name}: no such file or directory. Expected {PLAN_MODEL_FORMS}.")
+    if "/" in name:
+        cached = _hub_cache_config(name)
+        if cached is not None:
+            return spec_from_config(json.loads(cached.read_text()), name)
+        raise FinetuneError(
+            f"'{name}' is not in the catalog and its config.json is not in the local Hugging Face cache. "
+            f"Fetch just that file: `hf download {name} config.json` puts it in the cache, where the planner "
+            "looks; offline, copy a config.json here and pass its path to --model."
+        )
+    return catalog.get(name)  # raises with close names
+
+
+def _hub_cache_config(repo_id: str) -> Path | None:
+    """The cached config.json of the Hub repo's main revision (huggingface_hub knows the cache's
+    layout and which snapshot `main` points at), or None. Imported here: `finetune plan` for catalog
+    models never needs it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def spec_from_config(config: dict, name: str) -> ModelSpec:
+    """ModelSpec from a transformers config.json of a Llama-like decoder.
+
+    Raises FinetuneError for mixture-of-experts or non-Llama layouts the planner cannot count, and
+    for missing or non-positive sizes.
+    """
+    model_type = config.get("model_type", "?")
+    if any(key in config for key in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise FinetuneError(f"{name}: mixture-of-experts models ({model_type}) are not supported by the planner.")
+    if model_type not in LLAMA_LIKE:
+        raise FinetuneError(f"{name}: model_type {model_type!r} is not supported; the planner knows {', '.join(sorted(LLAMA_LIKE))}.")
+    _check_sizes(config, name)
+    try:
+        heads = config["num_attention_heads"]
+        return ModelSpec(
+            name=name, hf_id=name if "/" in name and not Path(name).exists() else None, model_type=model_type,
+            num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads, intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"], tie_word_embeddings=config.get("tie_word_embeddings", model_type.startswith("gemma")),
+            max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
+            attention_bias=config.get("attention_bias", model_type == "qwen2"), linear_bias=config.get("mlp_bias", False),
+            source=f"{name} (config.json)",
+        )
+    except KeyError as e:
+        raise FinetuneError(f"{name}: config.json lacks {e.args[0]!r}, which the planner needs.") from e
+
+
+def _check_sizes(config: dict, name: str) -> None:
+    wrong = [f"{key}={config[key]!r}" for key in SIZE_FIELDS
+             if config.get(key) is not None and (type(config[key]) is not int or config[key] < 1)]
+    if wrong:
+        raise FinetuneError(f"{name}: config.json sizes must be positive integers, got {', '.join(wrong)}.")
+
+
+def model_hidden_size(model: str) -> int | None:
+    """Hidden size from a local config.json, without loading weights; None for Hub ids."""
+    config_file = Path(model) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text()).get("hidden_size")
+    return None
+
+
+def architecture_of(model: str) -> ModelSpec | None:
+    """The planner's ModelSpec of a local model, a GGUF file or a Hub id whose config.json is cached; None when
+    it cannot be read without a download or the planner cannot count that architecture."""
+    try:
+        return resolve_model(model)
+    except FinetuneError:
+        return None

@@ -1,0 +1,284 @@
+"""From a request with open choices ("auto") to ranked plans, each with its reasons.
+
+Enumerates method × strategy × offload, picks for each the cheapest settings that fit (no
+checkpointing if possible) and the largest micro batch that fits, then recommends the fastest
+fitting plan; ties go to fewer GPUs and less offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.plan.gpus import GPUSpec
+from finetune.models.catalog import ModelSpec
+from finetune.errors import FinetuneError
+from finetune.plan.memory import GIB, Breakdown, estimate
+from finetune.plan.speed import Speed, estimate_speed
+from finetune.plan.workload import Workload
+from finetune.config.names import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, check_precision, default_precision
+
+# Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
+MAX_MICRO_BATCH = 64
+# Plans whose speed differs by less than this fraction count as tied.
+SPEED_TIE = 0.03
+OFFLOAD_RANK = {name: rank for rank, name in enumerate(OFFLOADS)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked: fixed values, or "auto" / None where the planner should choose."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    gpus_per_node: int
+    nodes: int = 1
+    method: str = "auto"
+    strategy: str = "auto"
+    offload: str = "auto"
+    precision: str = "auto"
+    optimizer: str = "auto"
+    micro_batch_size: int | None = None
+    seq_len: int = 2048
+    gradient_checkpointing: bool | None = None
+    lora_r: int = 16
+    lora_targets: str = "all-linear"
+    gradient_accumulation_steps: int = 1
+    tokens: float | None = None  # training tokens, for hours and cost
+    host_memory_gib: float | None = None  # host RAM per node; None: what the GPU's usual instance has
+
+    @property
+    def host_limit_gib(self) -> float:
+        return self.host_memory_gib if self.host_memory_gib is not None else self.gpu.host_gib_per_gpu * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    memory: Breakdown
+    speed: Speed
+    reasons: tuple[str, ...]
+    host_limit_gib: float = float("inf")  # host RAM per node the plan may use
+
+    @property
+    def device_gib(self) -> float:
+        return self.memory.device(self.workload.world_size) / GIB
+
+    @property
+    def host_gib(self) -> float:
+        return self.memory.host / GIB
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_gib <= self.workload.gpu.memory_gib
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_gib <= self.host_limit_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    def hours(self, tokens: float | None) -> float | None:
+        return tokens / self.speed.tokens_per_second / 3600 if tokens else None
+
+    def cost_usd(self, tokens: float | None) -> float | None:
+        hours = self.hours(tokens)
+        return hours * self.workload.world_size * self.workload.gpu.usd_per_hour if hours is not None else None
+
+
+def validate(request: Request) -> None:
+    """Every problem with the request at once, each with its fix."""
+    problems = []
+    choices = {
+        "method": ("auto", *METHODS), "strategy": ("auto", *STRATEGIES), "offload": ("auto", *OFFLOADS),
+        "precision": ("auto", *PRECISIONS), "optimizer": ("auto", *OPTIMIZERS),
+    }
+    for name, allowed in choices.items():
+        if getattr(request, name) not in allowed:
+            problems.append(f"--{name} {getattr(request, name)!r} is not one of {', '.join(allowed)}")
+    world = request.gpus_per_node * request.nodes
+    if request.strategy == "single" and world > 1:
+        problems.append(f"--strategy single uses one GPU, but {world} were given: use --gpus 1x{request.gpu.name} or a multi-GPU strategy")
+    if request.strategy not in ("auto", "single") and world == 1:
+        problems.append(f"--strategy {request.strategy} needs at least 2 GPUs: use --gpus 2x{request.gpu.name} or --strategy single")
+    strategy = STRATEGIES.get(request.strategy)
+    if strategy is not None and request.offload not in ("auto", *strategy.offloads):
+        problems.append(
+            f"--strategy {request.strategy} cannot offload {request.offload}: it supports "
+            f"{', '.join(strategy.offloads)} (parameter offload needs fsdp or zero3)"
+        )
+    if request.precision.startswith("bf16") and not request.gpu.bf16:
+        problems.append(f"{request.gpu.name} has no bf16: use --precision fp16-true (LoRA/QLoRA), fp16-mixed or fp32")
+    if request.precision in PRECISIONS and request.method in METHODS:
+        for strategy in ([request.strategy] if request.strategy in STRATEGIES else []) or [None]:
+            try:
+                check_precision(PRECISIONS[request.precision], request.method, strategy)
+            except FinetuneError as e:
+                problems.append(str(e))
+    for name in ("gpus_per_node", "nodes", "seq_len", "lora_r", "gradient_accumulation_steps"):
+        if getattr(request, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(request, name)}")
+    if request.micro_batch_size is not None and request.micro_batch_size < 1:
+        problems.append(f"--micro-batch-size must be ≥ 1, got {request.micro_batch_size}")
+    if request.host_memory_gib is not None and request.host_memory_gib <= 0:
+        problems.append(f"--host-memory must be > 0 GiB, got {request.host_memory_gib:g}")
+    if request.tokens is not None and not request.tokens > 0:
+        problems.append(f"--tokens must be > 0, got {request.tokens:g}")
+    if problems:
+        raise FinetuneError("Cannot plan this request:\n  - " + "\n  - ".join(problems))
+
+
+def candidates(request: Request) -> list[Workload]:
+    """Every method × strategy × offload the request leaves open, with micro batch 1. Combinations
+    the trainer would refuse (vocabulary.check_precision) are left out."""
+    world = request.gpus_per_node * request.nodes
+    methods = METHODS if request.method == "auto" else (request.method,)
+    if request.strategy != "auto":
+        strategies = (request.strategy,)
+    else:
+        strategies = ("single",) if world == 1 else tuple(name for name in STRATEGIES if name != "single")
+    workloads = []
+    for method in methods:
+        precision = (default_precision(method, request.gpu.bf16) if request.precision == "auto"
+                     else PRECISIONS[request.precision])
+        for strategy in strategies:
+            try:
+                check_precision(precision, method, strategy)
+            except FinetuneError:
+                continue
+            offloads = STRATEGIES[strategy].offloads if request.offload == "auto" else (request.offload,)
+            for offload in offloads:
+                workloads.append(Workload(
+                    model=request.model, gpu=request.gpu, gpus_per_node=request.gpus_per_node, nodes=request.nodes,
+                    method=method, strategy=strategy, offload=offload, precision=precision.name,
+                    optimizer="adamw" if request.optimizer == "auto" else request.optimizer,
+                    micro_batch_size=request.micro_batch_size or 1, seq_len=request.seq_len,
+                    gradient_checkpointing=bool(request.gradient_checkpointing),
+                    lora_r=request.lora_r, lora_targets=request.lora_targets,
+                    gradient_accumulation_steps=request.gradient_accumulation_steps,
+                ))
+    return workloads
+
+
+def fits(w: Workload) -> bool:
+    return estimate(w).device(w.world_size) <= w.gpu.memory_gib * GIB
+
+
+def largest_micro_batch(w: Workload) -> int:
+    """Largest micro batch ≤ MAX_MICRO_BATCH that fits (memory grows with it), 0 if none does."""
+    if not fits(w.with_micro_batch(1)):
+        return 0
+    low, high = 1, MAX_MICRO_BATCH
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(w.with_micro_batch(middle)) else (low, middle - 1)
+    return low
+
+
+def settle(request: Request, w: Workload) -> Workload:
+    """Fill the open knobs of one candidate: checkpointing only when needed, largest micro batch."""
+    options = (False, True) if request.gradient_checkpointing is None else (request.gradient_checkpointing,)
+    for checkpointing in options:
+        candidate = replace(w, gradient_checkpointing=checkpointing)
+        if request.micro_batch_size is not None:
+            if fits(candidate):
+                return candidate
+            continue
+        micro = largest_micro_batch(candidate)
+        if micro:
+            return candidate.with_micro_batch(micro)
+    return replace(w, gradient_checkpointing=options[-1])  # the smallest footprint, shown as not fitting
+
+
+def plan(request: Request) -> tuple[list[Plan], int | None]:
+    """Ranked plans (fitting ones first, see `rank`) and the index of the recommended one."""
+    validate(request)
+    settled = [settle(request, w) for w in candidates(request)]
+    plans = [Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib) for w in settled]
+    plans = _drop_needless_offload(plans, explicit=request.offload != "auto")
+    ranked = rank(plans)
+    best = ranked[0] if ranked and ranked[0].fits else None
+    return [replace(p, reasons=explain(p, best, ranked)) for p in ranked], (0 if best else None)
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Fitting plans first. Among them, every plan within SPEED_TIE of the fastest counts as tied
+    with it, and ties go to fewer GPUs, then less offload, then less memory per GPU; slower plans
+    follow, fastest first. Plans that do not fit come last, smallest first."""
+    fitting = [p for p in plans if p.fits]
+    top = max((p.speed.tokens_per_second for p in fitting), default=0.0)
+
+    def preference(p: Plan) -> tuple:
+        shape = (p.workload.world_size, OFFLOAD_RANK[p.workload.offload], p.device_gib)
+        return (0, 0.0, *shape) if _tied(p, top) else (1, -p.speed.tokens_per_second, *shape)
+
+    failing = sorted((p for p in plans if not p.fits), key=lambda p: (p.device_gib, p.host_gib))
+    return sorted(fitting, key=preference) + failing
+
+
+def _tied(p: Plan, fastest: float) -> bool:
+    return p.speed.tokens_per_second >= fastest * (1 - SPEED_TIE)
+
+
+def _drop_needless_offload(plans: list[Plan], explicit: bool) -> list[Plan]:
+    """Offload trades speed for memory: show an offload variant only when the same method and
+    strategy with less offload does not fit."""
+    if explicit:
+        return plans
+    fitting = {(p.workload.method, p.workload.strategy, p.workload.offload) for p in plans if p.fits}
+    def needed(p: Plan) -> bool:
+        w = p.workload
+        return not any((w.method, w.strategy, o) in fitting for o in OFFLOADS[: OFFLOAD_RANK[w.offload]])
+    return [p for p in plans if needed(p)]
+
+
+def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, ...]:
+    """Why this plan fits or not, and why it is or is not the recommendation."""
+    w, m = p.workload, p.memory
+    capacity = w.gpu.memory_gib
+    label = describe(w)
+    reasons = []
+    if p.fits_device:
+        reasons.append(f"fits: {p.device_gib:.1f} of {capacity:.1f} GiB per GPU, peak in the {m.peak_phase}")
+    else:
+        terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states": m.optimizer,
+                 "activations": m.activations, "buffers": m.buffers}
+        name, largest = max(terms.items(), key=lambda item: item[1])
+        if largest / GIB > capacity:
+            reasons.append(f"{label}: {name} alone {largest / GIB:.1f} GiB > {capacity:.1f} GiB")
+        else:
+            reasons.append(f"{label}: needs {p.device_gib:.1f} GiB per GPU > {capacity:.1f} GiB even at micro batch 1"
+                           + (" with checkpointing" if w.gradient_checkpointing else ""))
+    host = (f"{p.host_gib:.0f} GiB of host RAM per node ({m.host_offload / GIB:.0f} offload, "
+            f"{m.host_loading / GIB:.0f} while loading)")
+    if not p.fits_host:
+        reasons.append(f"{label}: needs {host} > {p.host_limit_gib:.0f} GiB (--host-memory)")
+    elif w.offload != "none":
+        reasons.append(f"offload: {host}, PCIe copies every step")
+    if p.speed.comm_bound:
+        reasons.append(
+            f"communication-bound over {w.gpu.interconnect if w.nodes == 1 else 'the network'}: "
+            f"{p.speed.comm_s_per_token * 1e6:.0f} µs of communication vs {p.speed.compute_s_per_token * 1e6:.0f} µs compute per token"
+        )
+    speed = f"{p.speed.tokens_per_second:,.0f} tokens/s"
+    fastest = max((q for q in ranked if q.fits), key=lambda q: q.speed.tokens_per_second, default=None)
+    if best is p:
+        if fastest is not None and fastest is not p:
+            reasons.append(f"recommended: {speed}, within {SPEED_TIE:.0%} of the fastest fitting plan "
+                           f"({describe(fastest.workload)}, {fastest.speed.tokens_per_second:,.0f} tokens/s), which counts "
+                           "as a tie; ties go to fewer GPUs, then less offload, then less memory")
+        else:
+            reasons.append(f"recommended: fastest plan that fits ({speed})")
+    elif best is not None and p.fits:
+        if _tied(p, fastest.speed.tokens_per_second):
+            reasons.append(f"tied on speed with {describe(best.workload)} ({speed}, within {SPEED_TIE:.0%}) but needs "
+                           "more GPUs, offload or memory")
+        else:
+            reasons.append(f"slower than {describe(best.workload)}: {speed} vs {best.speed.tokens_per_second:,.0f} tokens/s")
+    return tuple(reasons)
+
+
+def describe(w: Workload) -> str:
+    offload = "" if w.offload == "none" else f" + {w.offload} offload"
+    return f"{w.method} {w.strategy_spec.label}{offload}"

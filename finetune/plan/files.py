@@ -1,0 +1,143 @@
+"""The files and the command that run a plan: an Accelerate config, a DeepSpeed JSON with every
+batch value resolved to an integer, and the `accelerate launch ... -m finetune ...` line.
+
+Pure functions of the plan; `write_configs` is the only one that touches the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+from finetune.plan.choose import Plan
+from finetune.plan.memory import DS_BUCKET_ELEMENTS
+from finetune.plan.workload import Workload
+
+ACCELERATE_FILE = "accelerate.yaml"
+DEEPSPEED_FILE = "ds_config.json"
+DEFAULT_CONFIG_DIR = "plan"
+# Port of the rank-0 rendezvous on multi-node launches (Accelerate's default).
+MAIN_PROCESS_PORT = 29500
+# Values the run fills from its flags (micro batch, accumulation, world size, clipping, --precision);
+# leaving them "auto" means the JSON can never disagree with the launch command.
+RUN_OWNED_AUTO = "auto"
+
+
+def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
+    """The Accelerate config (the YAML `accelerate config` writes) that runs `plan`. It sets no
+    mixed_precision: the run's --precision decides it (and Accelerate refuses one beside a
+    DeepSpeed config file)."""
+    w = plan.workload
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": w.strategy_spec.distributed_type,
+        "downcast_bf16": "no",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "num_machines": w.nodes,
+        "num_processes": w.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if w.strategy == "fsdp":
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the block class comes from the model's _no_split_modules
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_offload_params": w.offload == "params",
+            "fsdp_reshard_after_forward": True,
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": False,  # finetune checkpoints through transformers instead
+        }
+    if w.deepspeed:
+        config["deepspeed_config"] = {
+            "deepspeed_config_file": f"{config_dir}/{DEEPSPEED_FILE}",
+            "zero3_init_flag": w.strategy == "zero3",
+        }
+    return config
+
+
+def deepspeed_config(plan: Plan) -> dict | None:
+    """DeepSpeed JSON for a ZeRO plan (None otherwise). The values the run owns are "auto" (filled
+    from the launch command's flags and the world size); the ZeRO layout is written out."""
+    w = plan.workload
+    if not w.deepspeed:
+        return None
+    stage = w.strategy_spec.zero_stage
+    zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": DS_BUCKET_ELEMENTS}
+    if stage < 3:
+        zero.update(allgather_bucket_size=DS_BUCKET_ELEMENTS, reduce_scatter=True)
+    else:
+        zero.update(
+            stage3_prefetch_bucket_size=DS_BUCKET_ELEMENTS,
+            stage3_param_persistence_threshold=10 * w.model.hidden_size,  # keep norms and biases gathered
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_max_reuse_distance=1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if w.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if w.offload == "params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": RUN_OWNED_AUTO,
+        "gradient_accumulation_steps": RUN_OWNED_AUTO,
+        "train_batch_size": RUN_OWNED_AUTO,
+        "gradient_clipping": RUN_OWNED_AUTO,
+        "bf16": {"enabled": RUN_OWNED_AUTO},
+        "fp16": {"enabled": RUN_OWNED_AUTO, "loss_scale": 0, "initial_scale_power": 16},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+    if w.offload != "none":
+        config["zero_force_ds_cpu_optimizer"] = False  # finetune builds its own AdamW; DeepSpeed steps it on the host
+    return config
+
+
+def train_flags(w: Workload) -> list[str]:
+    """finetune's TrainConfig flags for this workload."""
+    flags = [
+        "--model", w.model.name, "--method", w.method,
+        "--micro-batch-size", str(w.micro_batch_size),
+        "--gradient-accumulation-steps", str(w.gradient_accumulation_steps),
+        "--max-seq-len", str(w.seq_len),
+        "--precision", w.precision,
+    ]
+    if w.optimizer != "adamw":
+        flags += ["--optimizer", w.optimizer]
+    if w.method != "full":
+        flags += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
+    if w.gradient_checkpointing:
+        flags.append("--gradient-checkpointing")
+    return flags
+
+
+def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
+    """`accelerate launch --config_file DIR/accelerate.yaml [multi-node flags] -m finetune FLAGS`."""
+    w = plan.workload
+    words = ["accelerate", "launch", "--config_file", f"{config_dir}/{ACCELERATE_FILE}"]
+    if w.nodes > 1:
+        words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", str(MAIN_PROCESS_PORT)]
+    words += ["-m", "finetune", *train_flags(w)]
+    return " ".join(word if word.startswith("$") else shlex.quote(word) for word in words)
+
+
+def write_configs(plan: Plan, directory: str | Path) -> list[Path]:
+    """Write the accelerate YAML (and the DeepSpeed JSON for ZeRO plans) into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    accelerate_path = directory / ACCELERATE_FILE
+    accelerate_path.write_text(yaml.safe_dump(accelerate_config(plan, str(directory)), sort_keys=False))
+    written = [accelerate_path]
+    ds = deepspeed_config(plan)
+    if ds is not None:
+        ds_path = directory / DEEPSPEED_FILE
+        ds_path.write_text(json.dumps(ds, indent=2) + "\n")
+        written.append(ds_path)
+    return written

@@ -1,0 +1,411 @@
+"""Per-GPU memory of one training step, term by term, from the architecture and the workload.
+
+The peak is a maximum over two phases, not a sum: activations are freed before the optimizer step,
+and the step's temporaries exist only then. Gradients are counted in both phases because with
+gradient accumulation they stay allocated across micro-steps (planning for it keeps a plan valid
+for any accumulation). Every coefficient below is a byte count of a tensor PyTorch, transformers,
+PEFT, bitsandbytes or DeepSpeed allocates; the ones that are fitted say what they were fitted on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
+from finetune.plan.workload import Workload
+
+GIB = 2**30
+
+# PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
+# between differently sized activations). Reserved/allocated at the training peak, measured in the
+# same run: fms-acceleration's A100 reference runs of plain HF Trainer (14 dense single-GPU runs:
+# quartiles 1.16 / 1.27 / 1.31), Answer.AI's fsdp_qlora (1.12, 1.24), torchtune (1.01). 0.15 is
+# the lower quartile of the largest sample (bench/RESULTS.md says which rows this touches).
+ALLOCATOR_SLACK = 0.15
+# CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
+# with lazy module loading: 0.4–0.6 GiB on A100/H100).
+CUDA_CONTEXT_GIB = 0.5
+# NCCL communicators and their channel buffers, per process, when more than one GPU trains.
+NCCL_GIB = 0.5
+# Elements per DeepSpeed communication bucket (reduce, allgather, stage-3 prefetch); launch.py
+# writes the same number into the DeepSpeed JSON so the estimate and the run agree.
+DS_BUCKET_ELEMENTS = 50_000_000
+# Bytes per element of one state of each optimizer, None: the trainable weights' dtype.
+# bitsandbytes 8-bit states add one fp32 absmax per 256-element block (Optimizer2State.init_state).
+OPTIMIZER_STATES = {"adamw": (2, None), "adamw-8bit": (2, 1 + 4 / 256), "paged-adamw-8bit": (2, 1 + 4 / 256)}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per GPU at the peak of a step, and the host RAM the plan needs per node."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float  # saved activations and the loss's logits (0 when the peak is the optimizer step)
+    buffers: float  # communication buckets, gathered FSDP/ZeRO-3 blocks, dequantization and optimizer scratch
+    peak_phase: str  # "forward/backward" or "optimizer step"
+    host_offload: float  # offloaded shards of every rank of one node
+    host_loading: float  # checkpoint bytes the node's processes hold in host RAM while loading
+
+    @property
+    def allocated(self) -> float:
+        """Predicted torch.cuda.max_memory_allocated()."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def device(self, world_size: int) -> float:
+        """Predicted device memory as nvidia-smi shows it: allocated + allocator slack + context."""
+        context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)
+        return self.allocated * (1 + ALLOCATOR_SLACK) + context * GIB
+
+    @property
+    def host(self) -> float:
+        return max(self.host_offload, self.host_loading)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Unsharded bytes of what lives for the whole run, before strategy and offload place it."""
+
+    frozen: float  # frozen base weights (LoRA/QLoRA), incl. 4-bit packed weights
+    quant_constants: float  # QLoRA absmax constants: replicated on every rank, not sharded
+    trainable: float  # trainable weights as the model holds them
+    gradients: float
+    optimizer: float  # optimizer states, plus fp32 master weights and fp32 gradients under DeepSpeed
+    step_scratch: float  # temporaries of the optimizer step (torch foreach AdamW: one state-sized copy)
+
+
+def trainable_params(w: Workload) -> int:
+    if w.method == "full":
+        return count_params(w.model).total
+    return lora_params(w.model, w.lora_r, resolve_lora_targets(w.model, w.lora_targets))
+
+
+def trainable_bytes(w: Workload) -> int:
+    """Bytes per trainable weight. DeepSpeed casts the whole module to its 16-bit dtype; PEFT
+    keeps adapters in fp32 over a 16-bit base (adapter_bytes)."""
+    p = w.precision_spec
+    if w.deepspeed:
+        return p.compute_bytes
+    if w.method == "full":
+        return p.weight_bytes
+    return max(p.weight_bytes, w.adapter_bytes)
+
+
+def model_states(w: Workload) -> ModelStates:
+    counts = count_params(w.model)
+    p = w.precision_spec
+    n_train = trainable_params(w)
+    weight = trainable_bytes(w)
+    base_bytes = p.compute_bytes if w.deepspeed else p.weight_bytes
+    if w.method == "full":
+        frozen, constants = 0.0, 0.0
+    elif w.method == "lora":
+        frozen, constants = counts.total * base_bytes, 0.0
+    else:
+        nf4 = NF4_DOUBLE_QUANT_BYTES if w.double_quant else NF4_BYTES
+        frozen = counts.quantizable * 0.5 + (counts.total - counts.quantizable) * unquantized_bytes(w)
+        constants = counts.quantizable * (nf4 - 0.5)
+    states, state_bytes = OPTIMIZER_STATES[w.optimizer]
+    state_bytes = state_bytes or weight
+    optimizer = n_train * states * state_bytes
+    if w.deepspeed and p.compute_bytes < 4:
+        # DeepSpeed's 16-bit optimizer keeps fp32 master weights, fp32 Adam states and an fp32
+        # gradient partition (the "16 bytes per parameter" of its estimator).
+        optimizer = n_train * (4 + 4 + states * 4)
+    # torch's default (foreach) AdamW on GPU allocates sqrt(exp_avg_sq) for all tensors at once;
+    # DeepSpeed's FusedAdam, fused AdamW and bitsandbytes' kernels update in place.
+    foreach = w.optimizer == "adamw" and not w.deepspeed and not w.fused_optimizer
+    return ModelStates(
+        frozen=frozen,
+        quant_constants=constants,
+        trainable=n_train * weight,
+        gradients=n_train * weight,
+        optimizer=optimizer,
+        step_scratch=n_train * state_bytes if foreach else 0.0,
+    )
+
+
+def unquantized_bytes(w: Workload) -> int:
+    """Bytes per QLoRA parameter left out of 4-bit (embeddings, norms, LM head): fp32 after PEFT's
+    prepare_model_for_kbit_training, else the base's dtype (DeepSpeed's 16-bit cast included)."""
+    if w.deepspeed:
+        return w.precision_spec.compute_bytes
+    return 4 if w.kbit_upcast else w.precision_spec.weight_bytes
+
+
+def residual_bytes(w: Workload) -> int:
+    """Bytes per element of the residual stream: the embedding output's dtype, which the norms and
+    residual adds keep. An fp32 embedding (fp32 weights under autocast, or PEFT's k-bit upcast)
+    makes it fp32, unless FSDP's mixed precision or DeepSpeed computes with 16-bit copies of it."""
+    if w.strategy == "fsdp" or w.deepspeed:
+        return w.precision_spec.compute_bytes
+    if w.method == "qlora":
+        return unquantized_bytes(w)
+    return w.precision_spec.residual_bytes
+
+
+def layer_activation_bytes(w: Workload) -> float:
+    """Bytes one decoder layer saves for backward, per token (flash/SDPA attention: no s² term).
+
+    Counted tensor by tensor for transformers' Llama layer: RMSNorm saves its input upcast to fp32;
+    a linear saves its input only when its weight trains (full fine-tuning) or a LoRA adapter reads
+    it; under autocast every matmul makes its own 16-bit copy of an fp32 input; SDPA saves q, k, v
+    and its output; SwiGLU saves gate, up and the activation. A bitsandbytes 4-bit linear casts its
+    input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
+    between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
+    """
+    spec, p = w.model, w.precision_spec
+    h, e = spec.hidden_size, p.compute_bytes
+    q_width = spec.num_heads * spec.resolved_head_dim
+    kv_width = spec.num_kv_heads * spec.resolved_head_dim
+    inter = spec.intermediate_size
+    residual = residual_bytes(w)
+    out = residual if w.method == "qlora" else e  # dtype of a projection's output
+    attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
+    full = w.method == "full"
+    targets = () if full else resolve_lora_targets(spec, w.lora_targets)
+    adapter = max(p.weight_bytes, w.adapter_bytes)
+
+    norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
+    saved = spec.norms_per_layer * h * norm_input
+    if full:
+        saved += spec.norms_per_layer * h * residual  # normalized input of the trainable norm weight
+
+    names = [linear.name for linear in layer_linears(spec)]
+    attention_in = ["q_proj", "k_proj", "v_proj"]
+    mlp_in = [n for n in ("gate_proj", "up_proj") if n in names]
+    if spec.norms_per_layer == 1:  # parallel block: attention and MLP read one normalized input
+        groups = [(h, residual, attention_in + mlp_in)]
+    else:
+        groups = [(h, residual, attention_in), (h, residual, mlp_in)]
+    groups += [(q_width, attn, ["o_proj"]), (inter, out, ["down_proj"])]
+    for width, dtype_bytes, consumers in groups:
+        saved += _linear_inputs(width, dtype_bytes, consumers, full, targets, e, p.autocast, adapter, w.lora_dropout)
+        if w.method == "qlora" and w.bnb_saves_input:
+            # old MatMul4Bit kept the 16-bit input: shared when it already was 16-bit, else one cast per linear
+            saved += width * e * (1 if dtype_bytes == e else len(consumers))
+    if full and w.attention == "sdpa":
+        saved -= attn * q_width  # o_proj's input is SDPA's output, already saved by SDPA
+    lora_out = e if p.autocast else adapter
+    saved += sum(w.lora_r * lora_out for name in names if name in targets)  # lora_A outputs, read by lora_B
+
+    if w.attention == "eager":
+        # scores and fp32 softmax output, per query token: one row of s keys per head
+        saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
+    else:
+        saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
+    saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
+    return saved
+
+
+def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
+    """Bytes saved for the input of a group of linears that read the same tensor."""
+    if full:
+        copies = len(consumers) if autocast and dtype_bytes > e else 0
+        return width * (e * copies if copies else dtype_bytes)
+    adapted = [c for c in consumers if c in targets]
+    if not adapted:
+        return 0.0
+    mask = width * len(adapted) if dropout > 0 else 0.0
+    if autocast and adapter > e:
+        return width * e * len(adapted) + mask  # PEFT casts the input to fp32, each lora_A's autocast back to 16 bits
+    if dtype_bytes == adapter and dropout == 0:
+        return width * dtype_bytes  # every adapter reads the tensor itself
+    return width * adapter * len(adapted) + mask  # PEFT casts the input to the adapter's dtype
+
+
+def loss_activation_bytes(w: Workload) -> float:
+    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
+    (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
+    spec, p = w.model, w.precision_spec
+    h, e = spec.hidden_size, p.compute_bytes
+    saved = 4 * h  # final RMSNorm's fp32 input
+    if w.method == "full":
+        saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
+    # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
+    logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
+    return saved + LOSS_BYTES_PER_VOCAB[w.loss](logits) * spec.vocab_size
+
+
+# Bytes per vocabulary entry per token at the loss's peak (the start of backward), given the
+# logits' bytes per element. MemTracker on fake tensors (1-layer Llama shapes, vocab 32k and 128k,
+# bf16-true and bf16-mixed, fp32-head QLoRA stand-in) measures 12 for transformers' loss either way.
+LOSS_BYTES_PER_VOCAB = {
+    # transformers ≥ 4.46: the logits the model returns, fp32 log-softmax output, its fp32
+    # gradient, and the 16-bit gradient of 16-bit logits (fp32 logits skip the upcast copy)
+    "transformers": lambda logits: 12,
+    # transformers ≤ 4.45 and torchtune ≤ 0.2: fp32 logits kept, fp32 log-probs, and the fp32
+    # gradients of both (the shifted copy of the logits lives only during forward)
+    "transformers-legacy": lambda logits: 16,
+    # litgpt: LM head and cross-entropy in chunks, 16-bit logits and log-probs
+    "chunked": lambda logits: 2 * logits,
+    # torchtune's CEWithChunkedOutputLoss: 16-bit logits, each chunk's fp32 log-probs
+    "chunked-fp32": lambda logits: logits + 4,
+    # the same loss under torch.compile: Inductor saves only the logits and recomputes each of the
+    # 8 chunks' fp32 softmax in backward (upcast, softmax and gradient: 3 × 4 bytes / 8)
+    "chunked-compiled": lambda logits: logits + 1.5,
+}
+
+
+# Scratch beside the saved activations while backward starts at the loss: gradients of the
+# final hidden state around the LM head, in bytes per hidden unit per token (MemTracker on
+# 1-layer Llama shapes leaves 0-5 once the loss holds 12 bytes per vocabulary entry).
+LOSS_SCRATCH_PER_HIDDEN = 4
+# Scratch while backward runs through a decoder layer (gradients of its activations), as a
+# fraction of that layer's saved activations. The loss phase dominates for every catalogued
+# vocabulary; this matters for small-vocabulary models only.
+LAYER_SCRATCH = 0.6
+
+
+def activation_bytes(w: Workload) -> tuple[float, float]:
+    """Saved activations of one micro-batch on one GPU at the two candidate peaks of backward:
+    at the loss (every layer's activations plus logits and cross-entropy) and inside the last
+    layer (every layer's activations, the layer's recomputed activations under checkpointing, and
+    its gradient scratch). With gradient checkpointing each layer keeps only its input.
+    """
+    spec = w.model
+    tokens = w.tokens_per_micro_batch
+    layer = layer_activation_bytes(w)
+    kept = spec.num_layers * (spec.hidden_size * residual_bytes(w) if w.gradient_checkpointing else layer)
+    at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size
+    in_layer = (layer if w.gradient_checkpointing else 0.0) + LAYER_SCRATCH * layer
+    copies = autocast_weight_copies(w)
+    return tokens * (kept + at_loss) + copies, tokens * (kept + in_layer) + copies
+
+
+def autocast_weight_copies(w: Workload) -> float:
+    """Under autocast, fp32 weights are cast to 16 bits for each matmul, and backward keeps those
+    copies: one 16-bit copy of every matmul weight (only the current layer's under checkpointing).
+    Under QLoRA only the LM head is such a matmul (fp32 after PEFT's k-bit upcast); 16-bit weights
+    (fp16-true), FSDP2 and DeepSpeed already hold compute weights, so they make none."""
+    p = w.precision_spec
+    if not p.autocast or w.strategy == "fsdp" or w.deepspeed:
+        return 0.0
+    counts = count_params(w.model)
+    head = counts.head or counts.embedding
+    if w.method == "qlora":
+        return p.compute_bytes * head if unquantized_bytes(w) > p.compute_bytes else 0.0
+    if p.weight_bytes == p.compute_bytes:
+        return 0.0
+    layers = 1 if w.gradient_checkpointing else w.model.num_layers
+    return p.compute_bytes * (layers * counts.layer_linear_weights + head)
+
+
+def working_set_bytes(w: Workload) -> tuple[float, float]:
+    """Unsharded copies FSDP2 / ZeRO-3 hold per GPU, at the loss and inside a decoder layer.
+
+    FSDP2 keeps its root unit (embedding, final norm, head) gathered from forward to the end of
+    backward; inside a layer it also holds that layer's gathered 16-bit weights, the prefetched
+    next layer and the layer's unsharded gradients before reduce-scatter (a whole layer for full
+    fine-tuning, its adapters for LoRA). ZeRO-3 gathers modules one at a time (the largest of a
+    layer, the embedding and the head), its unsharded gradients, and a reduce bucket.
+    """
+    if not w.strategy_spec.shards_weights:
+        return 0.0, 0.0
+    counts = count_params(w.model)
+    e = w.precision_spec.compute_bytes
+    layer = e * counts.layer
+    if w.method == "qlora":  # 4-bit weights travel packed in their 16-bit storage
+        layer -= (e - 0.5) * counts.layer_linear_weights
+    if w.strategy == "fsdp":
+        layer_gradients = e * trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
+        return e * counts.root, e * counts.root + 2 * layer + layer_gradients
+    largest = max(layer, e * counts.embedding, e * counts.head)
+    gathered = 2 * largest + e * DS_BUCKET_ELEMENTS
+    return gathered, gathered
+
+
+def comm_buffer_bytes(w: Workload, states: ModelStates) -> float:
+    """Communication buffers that live for the whole run.
+
+    DDP copies gradients into its own buckets (Accelerate leaves gradient_as_bucket_view off), so
+    it holds a second copy of the gradients. ZeRO-1/2 keep reduce and allgather buckets.
+    """
+    if w.strategy == "ddp":
+        return states.gradients
+    if w.strategy in ("zero1", "zero2"):
+        return 3 * DS_BUCKET_ELEMENTS * w.precision_spec.compute_bytes  # double-buffered reduce + allgather
+    return 0.0
+
+
+def dequant_scratch_bytes(w: Workload) -> float:
+    """QLoRA dequantizes one linear's weight to 16 bits for each matmul, forward and backward."""
+    if w.method != "qlora":
+        return 0.0
+    largest = max(linear.weight_params for linear in layer_linears(w.model))
+    return largest * w.precision_spec.compute_bytes
+
+
+# Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
+CHECKPOINT_SHARD_BYTES = 5e9
+
+
+def loading_host_bytes(w: Workload) -> float:
+    """Host RAM per node while the weights load. finetune loads straight onto each GPU (QLoRA
+    quantizes on the way), so each process holds about one checkpoint file at a time; under FSDP
+    with cpu-RAM-efficient loading one process per node reads the whole checkpoint and the others
+    receive their shards, and without it every process holds a full copy."""
+    model_bytes = count_params(w.model).total * w.precision_spec.weight_bytes
+    if w.strategy == "fsdp":
+        return model_bytes * (1 if w.efficient_loading else w.gpus_per_node)
+    return w.gpus_per_node * min(model_bytes, CHECKPOINT_SHARD_BYTES)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Model states of one GPU after the strategy sharded them and offload moved some to the host."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    step_scratch: float
+    offloaded: float  # bytes this GPU's process keeps in host RAM instead
+
+
+def place_states(w: Workload, states: ModelStates) -> Placement:
+    """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
+    by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
+    n, strategy = w.world_size, w.strategy_spec
+    weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
+    gradients = states.gradients / (n if strategy.shards_gradients else 1)
+    optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)
+    step_scratch = states.step_scratch / (n if strategy.shards_optimizer else 1)
+    offloaded = 0.0
+    if w.offload != "none":
+        # The optimizer steps on the host; DeepSpeed also streams each reduced gradient partition
+        # to the host (its estimator counts only the 16-bit parameters on the GPU).
+        offloaded += optimizer + (gradients if w.deepspeed else 0.0)
+        optimizer, step_scratch = 0.0, 0.0
+        gradients = 0.0 if w.deepspeed else gradients
+    if w.offload == "params":
+        offloaded += weights - states.quant_constants + gradients
+        weights, gradients = states.quant_constants, 0.0
+    return Placement(weights, gradients, optimizer, step_scratch, offloaded)
+
+
+def estimate(w: Workload) -> Breakdown:
+    """Per-GPU peak memory of one training step of `w`, by term."""
+    states = model_states(w)
+    placed = place_states(w, states)
+    weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
+
+    persistent = comm_buffer_bytes(w, states)
+    scratch = dequant_scratch_bytes(w)
+    moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
+    activations, transient = max(moments, key=sum)
+    if activations + transient >= step_scratch:
+        phase, buffers = "forward/backward", persistent + transient
+    else:
+        phase, activations, buffers = "optimizer step", 0.0, persistent + step_scratch
+
+    return Breakdown(
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        buffers=buffers,
+        peak_phase=phase,
+        host_offload=placed.offloaded * w.gpus_per_node,
+        host_loading=loading_host_bytes(w),
+    )

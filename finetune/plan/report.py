@@ -1,0 +1,182 @@
+"""Plans → the JSON contract, a readable table, and a stacked-bar PNG. Formatting only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.plan.choose import Plan, Request, describe
+from finetune.plan.files import launch_command
+from finetune.plan.memory import GIB, trainable_params
+from finetune.plan.params import count_params
+
+TERMS = ("weights", "gradients", "optimizer", "activations", "buffers")
+
+
+def _gib(value: float) -> float:
+    return round(value / GIB, 3)
+
+
+def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
+    w, m = p.workload, p.memory
+    hours, cost = p.hours(tokens), p.cost_usd(tokens)
+    return {
+        "method": w.method, "strategy": w.strategy, "offload": w.offload, "precision": w.precision,
+        "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
+        "gradient_checkpointing": w.gradient_checkpointing,
+        "gradient_accumulation_steps": w.gradient_accumulation_steps,
+        "fits": p.fits,
+        "fits_device": p.fits_device,
+        "fits_host": p.fits_host,
+        "memory_per_gpu_gib": {
+            **{term: _gib(getattr(m, term)) for term in TERMS},
+            "allocated": _gib(m.allocated),
+            "device": _gib(m.device(w.world_size)),
+        },
+        "peak_phase": m.peak_phase,
+        "host_memory_gib": _gib(m.host),
+        "host_memory_detail_gib": {"offload": _gib(m.host_offload), "loading": _gib(m.host_loading)},
+        "trainable_params": trainable_params(w),
+        "tokens_per_second": round(p.speed.tokens_per_second, 1),
+        "communication_bound": p.speed.comm_bound,
+        "hours": round(hours, 2) if hours is not None else None,
+        "usd": round(cost, 2) if cost is not None else None,
+        "launch_command": launch_command(p, config_dir),
+        "reasons": list(p.reasons),
+    }
+
+
+def to_json(request: Request, plans: list[Plan], recommended: int | None, config_dir: str) -> dict:
+    """The JSON contract of `finetune plan --json` (see the README)."""
+    spec, gpu = request.model, request.gpu
+    return {
+        "model": {
+            "name": spec.name, "hf_id": spec.hf_id, "params": count_params(spec).total,
+            "layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+            "source": spec.source,
+        },
+        "hardware": {
+            "gpu": gpu.name, "count": request.gpus_per_node * request.nodes, "gpus_per_node": request.gpus_per_node,
+            "nodes": request.nodes, "memory_gib": gpu.memory_gib, "bf16_tflops": gpu.bf16_tflops,
+            "interconnect": gpu.interconnect, "usd_per_hour": gpu.usd_per_hour,
+            "host_memory_gib_per_node": round(request.host_limit_gib, 1),
+        },
+        "tokens": request.tokens,
+        "plans": [plan_dict(p, request.tokens, config_dir) for p in plans],
+        "recommended": recommended,
+    }
+
+
+def table(request: Request, plans: list[Plan], recommended: int | None, config_dir: str,
+          heading: str = "Recommended") -> str:
+    """One row per plan, then the recommendation (or `heading`) with its reasons and launch command."""
+    spec, gpu = request.model, request.gpu
+    world = request.gpus_per_node * request.nodes
+    host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
+    lines = [
+        f"{spec.name}: {count_params(spec).total / 1e9:.2f}B params on {world}× {gpu.name} "
+        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
+        f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
+        "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
+        "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights)",
+        "",
+    ]
+    header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s", "hours", "$")
+    rows = [header]
+    for i, p in enumerate(plans):
+        w, m = p.workload, p.memory
+        hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
+        rows.append((
+            "*" if i == recommended else "", w.method, w.strategy_spec.label, w.offload,
+            str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
+            *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
+            f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", "yes" if p.fits else "NO" if not p.fits_device else "NO (host)",
+            f"{p.speed.tokens_per_second:,.0f}", f"{hours:.1f}" if hours is not None else "-",
+            f"{cost:,.0f}" if cost is not None else "-",
+        ))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines += ["  ".join(cell.rjust(width) if c >= 4 else cell.ljust(width) for c, (cell, width) in enumerate(zip(row, widths)))
+              for row in rows]
+    lines.append("")
+    if recommended is None:
+        lines.append(f"Nothing fits on {world}× {gpu.name}. Closest:")
+        lines += [f"  - {reason}" for p in plans[:3] for reason in p.reasons[:1]]
+        lines.append("Try more GPUs, QLoRA, a shorter --seq-len, or offload.")
+        return "\n".join(lines)
+    best = plans[recommended]
+    lines.append(f"{heading}: {describe(best.workload)}, micro batch {best.workload.micro_batch_size}"
+                 + (", gradient checkpointing" if best.workload.gradient_checkpointing else ""))
+    lines += [f"  - {reason}" for reason in best.reasons]
+    lines.append(f"  launch: {launch_command(best, config_dir)}")
+    losers = [p for p in plans if not p.fits]
+    if losers:
+        lines.append("Why others lose:")
+        lines += [f"  - {p.reasons[0]}" for p in losers]
+    return "\n".join(lines)
+
+
+def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> str:
+    """One line per model: its recommended plan on these GPUs, or how far the closest plan misses."""
+    request = results[0][0]
+    world = request.gpus_per_node * request.nodes
+    lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB, host RAM "
+             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}:"]
+    for req, plans, recommended in results:
+        name = f"{req.model.name} ({count_params(req.model).total / 1e9:.1f}B)"
+        if recommended is None:
+            closest = plans[0]
+            lines.append(f"  {name:<24} nothing fits (closest: {describe(closest.workload)}, {closest.device_gib:.0f} GiB "
+                         f"per GPU, {closest.host_gib:.0f} GiB host)")
+            continue
+        best = plans[recommended]
+        fitting = sorted({p.workload.method for p in plans if p.fits})
+        hours, cost = best.hours(req.tokens), best.cost_usd(req.tokens)
+        time_and_cost = f"  {hours:,.1f} h ${cost:,.0f}" if hours is not None else ""
+        lines.append(
+            f"  {name:<24} {describe(best.workload):<30} micro batch {best.workload.micro_batch_size:<3} "
+            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s{time_and_cost}   "
+            f"methods that fit: {', '.join(fitting)}"
+        )
+    lines.append("Details for one model: finetune plan --model NAME --gpus ...")
+    return "\n".join(lines)
+
+
+def draw_png(request: Request, plans: list[Plan], recommended: int | None, path: str | Path) -> Path:
+    """Stacked bars of per-GPU memory per plan, with the GPU's capacity as a line."""
+    labels = [describe(p.workload) + ("  ★" if i == recommended else "") for i, p in enumerate(plans)]
+    title = f"{request.model.name} on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}"
+    return _draw_bars(plans, labels, request, title, path)
+
+
+def draw_what_fits_png(results: list[tuple[Request, list[Plan], int | None]], path: str | Path) -> Path:
+    """Stacked bars of each model's recommended plan (or its closest miss), one bar per model."""
+    chosen = [(req, plans[recommended if recommended is not None else 0]) for req, plans, recommended in results]
+    labels = [f"{req.model.name}: {describe(p.workload)}" + ("" if p.fits else " (does not fit)") for req, p in chosen]
+    request = results[0][0]
+    title = f"What fits on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}"
+    return _draw_bars([p for _, p in chosen], labels, request, title, path)
+
+
+def _draw_bars(plans: list[Plan], labels: list[str], request: Request, title: str, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(plans) + 2), 5))
+    bottom = [0.0] * len(plans)
+    for term in TERMS:
+        values = [getattr(p.memory, term) / GIB for p in plans]
+        axis.bar(range(len(plans)), values, bottom=bottom, label=term)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    overhead = [p.device_gib - b for p, b in zip(plans, bottom)]
+    axis.bar(range(len(plans)), overhead, bottom=bottom, label="slack + CUDA context", color="lightgrey")
+    axis.axhline(request.gpu.memory_gib, color="red", linestyle="--", label=f"{request.gpu.name} ({request.gpu.memory_gib:.0f} GiB)")
+    axis.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=8)
+    axis.set_ylabel("GiB per GPU")
+    axis.set_title(title)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -1,0 +1,101 @@
+"""What one plan trains: model, hardware, method, strategy and batch shape, fully pinned down.
+
+`Workload` is the input of every estimate (memory, speed, launch files). The last few fields
+describe choices other frameworks make differently from finetune (litgpt's bf16 adapters and
+chunked loss, for instance); their defaults are finetune's own, and the calibration bench sets them
+to reproduce published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from finetune.plan.gpus import GPUSpec
+from finetune.models.catalog import ModelSpec
+from finetune.errors import FinetuneError
+from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy
+
+if TYPE_CHECKING:  # the run side imports torch; the planner only reads the resolved values
+    from finetune.config.resolve import ResolvedRun
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One fully specified training configuration on one cluster."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    gpus_per_node: int
+    method: str
+    strategy: str
+    offload: str
+    precision: str
+    optimizer: str
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    nodes: int = 1
+    lora_r: int = 16
+    lora_targets: str = "all-linear"
+    gradient_accumulation_steps: int = 1
+    efficient_loading: bool = True  # FSDP: one process per node reads the checkpoint (cpu_ram_efficient_loading)
+    # How the training code behaves; defaults are finetune's (transformers 5 + PEFT + bitsandbytes
+    # ≥ 0.43.2 + torch AdamW). The calibration bench sets them to reproduce other frameworks' runs.
+    adapter_bytes: int = 4  # PEFT upcasts LoRA weights to fp32 when the base is 16-bit
+    lora_dropout: float = 0.0  # > 0 saves a mask and a dropped copy of each adapter input
+    double_quant: bool = True  # QLoRA's nested quantization of the absmax constants
+    # PEFT's prepare_model_for_kbit_training casts every parameter that is not 4-bit (embeddings,
+    # norms, LM head) to fp32, which also makes the residual stream fp32. finetune does not call it:
+    # those parameters keep the precision's weight dtype (fp32 for -mixed, 16-bit for -true).
+    kbit_upcast: bool = False
+    bnb_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit kept its 16-bit input for backward
+    loss: str = "transformers"  # how logits and cross-entropy are held: see memory.LOSS_BYTES_PER_VOCAB
+    attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
+    fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def precision_spec(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    @property
+    def strategy_spec(self) -> Strategy:
+        return STRATEGIES[self.strategy]
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy_spec.deepspeed
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def with_micro_batch(self, micro_batch_size: int) -> Workload:
+        return replace(self, micro_batch_size=micro_batch_size)
+
+
+def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
+    """The one translation of a training run into the planner's Workload: model, method, LoRA
+    settings, precision, optimizer, strategy and offload (from the launch config / DeepSpeed JSON),
+    world size and machines, micro batch, accumulation, sequence length and checkpointing.
+
+    Raises FinetuneError when the planner cannot read the model's architecture without a download.
+    """
+    config = run.config
+    if run.spec is None:
+        raise FinetuneError(
+            f"Cannot plan --model {config.model}: its architecture is not in the catalog and no config.json is "
+            "available locally (a local model directory, or the Hugging Face cache, has one)."
+        )
+    return Workload(
+        model=run.spec, gpu=gpu, gpus_per_node=run.launch.gpus_per_node, nodes=run.launch.num_machines,
+        method=config.method, strategy=run.strategy.name, offload=run.offload, precision=run.precision.name,
+        optimizer=config.optimizer, micro_batch_size=run.batch.micro_batch_size, seq_len=config.max_seq_len,
+        gradient_checkpointing=config.gradient_checkpointing, lora_r=config.lora_r, lora_targets=config.lora_targets,
+        gradient_accumulation_steps=run.batch.gradient_accumulation_steps, lora_dropout=config.lora_dropout,
+        efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or run.strategy.name != "fsdp",
+    )

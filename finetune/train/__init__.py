@@ -1,0 +1,1 @@
+"""A run: Accelerator, preflight, optimiser, the loop, dry run and simulation."""

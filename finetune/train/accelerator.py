@@ -1,0 +1,180 @@
+"""Resolved run → one configured Accelerator.
+
+The strategy arrives as data: the accelerate config the user launched with (`accelerate launch
+--config_file accelerate_configs/X.yaml`, which Accelerate hands to each process as environment
+variables) and, for DeepSpeed, an optional JSON file (`--deepspeed ds.json` or the YAML's
+`deepspeed_config_file`). `resolved.resolve_run` reads that data; this module turns the resolved
+run into an `Accelerator` and prints what it built; the training loop never asks which strategy
+it runs under.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from finetune.config import deepspeed_json
+from finetune.train import preflight
+from finetune.config.options import ConfigError
+from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
+
+RESOLVED_DEEPSPEED_FILE = "deepspeed_config.json"
+
+
+def launched() -> bool:
+    """True under torchrun / accelerate launch (they set LOCAL_RANK), even for one process."""
+    return "LOCAL_RANK" in os.environ
+
+
+def build_accelerator(run: ResolvedRun) -> Accelerator:
+    """Create the run's Accelerator and print the effective distributed setup on the main process.
+
+    Works without a launcher (one process, CPU or CUDA) and under `accelerate launch` / torchrun with
+    DDP, FSDP2 or DeepSpeed. Launched on CPU, the process group uses gloo: without it Accelerate
+    sees world size 1 under DeepSpeed. Joining the process group and the preflight checks run under
+    a watchdog (--preflight-timeout). Raises ConfigError when Accelerate would run another strategy
+    or world size than the launch announced, PreflightError when the job cannot train as launched.
+    """
+    config, deepspeed = run.config, run.deepspeed
+    cuda = torch.cuda.is_available()
+    if deepspeed is not None and not launched():
+        become_single_process_launch()
+    fsdp_plugin = fsdp_plugin_from_launch() if run.strategy.name == "fsdp" else None
+    with preflight.watchdog(config.preflight_timeout) as dog:
+        dog.stage("rendezvous", preflight.rendezvous_advice())
+        accelerator = Accelerator(
+            # the loop collects each accumulation window before its first forward, so Accelerate must
+            # not also sync at the end of the dataloader: that would step on every micro-batch of an
+            # epoch's last window
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=run.batch.gradient_accumulation_steps, sync_with_dataloader=False),
+            mixed_precision=run.precision.accelerate,
+            log_with=None if config.report_to == "none" else config.report_to,
+            project_dir=config.output_dir,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # the loop steps the LR scheduler itself, once per optimizer update, under every strategy
+            step_scheduler_with_optimizer=False,
+            deepspeed_plugin=_deepspeed_plugin(deepspeed),
+            fsdp_plugin=fsdp_plugin,
+            # launched on CPU: gloo, and MULTI_CPU rather than Accelerate's silent one-process fallback
+            # for a MULTI_GPU config (DeepSpeed selects its CPU accelerator itself)
+            cpu=launched() and not cuda and deepspeed is None,
+            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if launched() and not cuda else [],
+        )
+        if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
+            enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+        if accelerator.num_processes != run.world_size or (
+            run.world_size > 1 and accelerator.distributed_type == DistributedType.NO
+        ):
+            raise ConfigError(
+                f"The launcher announced WORLD_SIZE={run.world_size} but Accelerate runs {accelerator.num_processes} "
+                f"process(es) as {accelerator.distributed_type.value}; launch with `accelerate launch` or torchrun."
+            )
+        checked = preflight.run_checks(accelerator, config.output_dir, dog)
+    if deepspeed is not None and accelerator.is_main_process:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        deepspeed_json.write(deepspeed.config, Path(config.output_dir) / RESOLVED_DEEPSPEED_FILE)
+    accelerator.print(describe_setup(accelerator, run) + "\n" + checked)
+    return accelerator
+
+
+def become_single_process_launch() -> None:
+    """Set the variables a launcher would for a 1-process job, so `python -m finetune --deepspeed X`
+    works (ZeRO-Offload on one GPU) instead of failing on an uninitialised process group."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def fsdp_plugin_from_launch() -> FullyShardedDataParallelPlugin:
+    """The FSDP2 plugin the accelerate config asks for (`resolve_run` has refused FSDP1)."""
+    return FullyShardedDataParallelPlugin()
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """The one CPU-only switch: make Accelerate run FSDP on CPU processes (gloo).
+
+    Accelerate enables FSDP only on GPU-like devices and otherwise falls back to DDP (MULTI_CPU). The
+    code FSDP2 runs once enabled (fully_shard, DTensor collectives, sharded checkpoints) is the GPU
+    code, so this is what lets `finetune rehearse` and the tests exercise the real FSDP path.
+    Mixed precision stays off on CPU, so the plugin needs no precision policy; CPU offload keeps its
+    code path but without pinned memory, which needs a GPU.
+    """
+    if accelerator.device.type != "cpu":
+        raise ConfigError("FSDP was requested but Accelerate did not enable it on this accelerator; check the launch config.")
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    PartialState().distributed_type = DistributedType.FSDP
+
+
+def _deepspeed_plugin(deepspeed: DeepSpeedSetup | None) -> DeepSpeedPlugin | None:
+    if deepspeed is None:
+        return None
+    if deepspeed.source == LAUNCH_DEEPSPEED:
+        # built from the launch's environment: a second plugin from a dict would trip Accelerate's
+        # "deepspeed_config_file plus accelerate DeepSpeed fields" check, so resolve this one in place
+        plugin = DeepSpeedPlugin()
+        plugin.deepspeed_config.clear()
+        plugin.deepspeed_config.update(deepspeed.config)
+        return plugin
+    return DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(deepspeed.config)))
+
+
+# ---------------------------------------------------------------- the setup printout
+
+
+def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
+    """The effective distributed setup, one fact per line, so a stale default accelerate config can
+    never change a run silently."""
+    batch, deepspeed, precision = run.batch, run.deepspeed, run.precision
+    lines = [
+        f"strategy: {run.strategy.label} on {accelerator.device.type}"
+        + (" (gloo)" if launched() and accelerator.device.type == "cpu" else ""),
+        f"world size: {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''}"
+        + (f" on {run.launch.num_machines} machines" if run.launch.num_machines > 1 else ""),
+        f"precision: {precision.name} (weights {precision.weights}, compute {precision.compute})",
+    ]
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        wrap = getattr(plugin.auto_wrap_policy, "__name__", str(plugin.auto_wrap_policy))
+        lines += [
+            f"sharding: reshard after forward {plugin.reshard_after_forward}, wrap {wrap} "
+            "(block class from the model's _no_split_modules)",
+            f"state dict: {plugin.state_dict_type.name}, cpu offload {isinstance(plugin.cpu_offload, CPUOffloadPolicy)}, "
+            f"cpu-RAM-efficient loading {plugin.cpu_ram_efficient_loading}",
+        ]
+    if deepspeed is not None:
+        offload = deepspeed_json.offload_devices(deepspeed.config)
+        lines += [
+            f"ZeRO stage {deepspeed_json.zero_stage(deepspeed.config)}, offload "
+            + (", ".join(f"{name} → {device}" for name, device in offload.items()) or "none"),
+            f"DeepSpeed config: {deepspeed.source}, resolved into {RESOLVED_DEEPSPEED_FILE}",
+            *deepspeed.notes,
+        ]
+    lines.append(
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
+        f"{batch.world_size} = global {batch.global_batch_size}"
+    )
+    return "distributed setup:\n  " + "\n  ".join(lines)

@@ -1,0 +1,228 @@
+"""The plan of one resolved run: what `finetune plan` predicts for exactly these flags, what the
+trainer's own construction holds per GPU (`finetune --dry-run`), and the fit check at launch.
+
+`planner.workload.from_run` is the one translation of a run into the planner's `Workload`, so a
+plan's launch command, `--dry-run` of that command and `plan --simulate` describe the same run.
+`built_states` builds the model and optimizer exactly as training does (loading.build_skeleton:
+same dtype, quantization, PEFT wrapping; optim.build_optimizer stepped once) on fake tensors at full
+size and measures them, so every model-state term the planner promises is checked against the
+trainer's construction rather than against a second model of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from finetune.plan import gpus as gpu_catalog
+from finetune.plan.gpus import GPUSpec
+from finetune.errors import FinetuneError
+from finetune.plan import report
+from finetune.plan.choose import Plan, Request, explain
+from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, estimate, place_states
+from finetune.plan.speed import estimate_speed
+from finetune.plan.workload import Workload, from_run
+from finetune.config.resolve import Device, ResolvedRun
+
+BUILT_TERMS = ("weights", "gradients", "optimizer")
+
+
+class FitError(FinetuneError):
+    """The run will not fit the memory it is launched on; the message says what would."""
+
+
+def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
+    """The GPU the run is planned for: --gpu, else the catalog entry of the GPU this process sees."""
+    if run.config.gpu:
+        return gpu_catalog.get(run.config.gpu)
+    found = gpu_catalog.identify(device.name, (device.total_bytes or 0) / GIB) if device.cuda and device.name else None
+    if found is None:
+        seen = f"this process sees {device.name!r}, which is not in the GPU catalog" if device.cuda else "no GPU is visible"
+        raise FinetuneError(f"Which GPU should this run be planned for? {seen}: pass --gpu NAME, e.g. --gpu A100-40GB "
+                            f"(catalog: {', '.join(gpu_catalog.GPUS)}).")
+    return found
+
+
+def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
+    """The planner's request and plan for exactly this run on `gpu`."""
+    w = from_run(run, gpu)
+    request = Request(model=w.model, gpu=gpu, gpus_per_node=w.gpus_per_node, nodes=w.nodes, method=w.method,
+                      strategy=w.strategy, offload=w.offload, precision=w.precision, optimizer=w.optimizer,
+                      micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
+                      gradient_checkpointing=w.gradient_checkpointing, lora_r=w.lora_r, lora_targets=w.lora_targets,
+                      gradient_accumulation_steps=w.gradient_accumulation_steps)
+    plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
+    return request, replace(plan, reasons=explain(plan, None, [plan]))
+
+
+def run_of_plan(plan: Plan, config_dir: str | Path, output_dir: str | Path) -> ResolvedRun:
+    """The run a plan's launch command resolves to on the plan's GPUs: its training flags parsed as
+    `finetune` parses them, its strategy as its accelerate config announces it to each process
+    (the DeepSpeed JSON is read from `config_dir`, where `write_configs` put it)."""
+    from finetune.config.options import parse_config
+    from finetune.plan.files import DEEPSPEED_FILE, train_flags
+    from finetune.config.resolve import Launch, resolve_run
+
+    w = plan.workload
+    config = parse_config([*train_flags(w), "--gpu", w.gpu.name, "--output-dir", str(output_dir)])
+    launch = Launch(world_size=w.world_size, num_machines=w.nodes, fsdp=w.strategy == "fsdp",
+                    fsdp_offload_params=w.strategy == "fsdp" and w.offload == "params",
+                    fsdp_cpu_ram_efficient_loading=w.strategy == "fsdp", deepspeed=w.deepspeed,
+                    deepspeed_config_file=str(Path(config_dir) / DEEPSPEED_FILE) if w.deepspeed else None)
+    return resolve_run(config, launch, Device(cuda=True, name=w.gpu.name, bf16=w.gpu.bf16))
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the trainer's construction of a run holds, measured on fake tensors (one process, unsharded)."""
+
+    frozen_bytes: int
+    frozen_float_numel: int  # frozen floating-point elements: what DeepSpeed casts to 16 bits
+    frozen_other_bytes: int  # frozen elements it leaves alone
+    trainable_numel: int
+    trainable_bytes: int
+    optimizer_bytes: int  # states the optimizer created on its first step
+    buffer_bytes: int  # 4-bit quantization state, rotary tables: replicated on every GPU
+
+
+def build(run: ResolvedRun) -> Built:
+    """Build the model and optimizer exactly as training does (loading.build_skeleton,
+    optim.build_optimizer) on fake tensors, step the optimizer once, and measure them."""
+    import torch
+
+    from finetune.models import loading
+    from finetune.train.optim import build_optimizer
+
+    model, fake_mode = loading.build_skeleton(run)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    optimizer = build_optimizer(run.config, model, run.peak_lr)  # bitsandbytes builds real code tables here
+    with fake_mode:
+        for param in trainable:
+            param.grad = torch.zeros_like(param)
+        _create_states(optimizer)
+        states = {id(t): t for state in optimizer.state.values() for t in state.values()  # shared code tables once
+                  if isinstance(t, torch.Tensor) and t.dim() > 0}
+        optimizer_bytes = sum(map(_bytes, states.values()))
+        return Built(
+            frozen_bytes=sum(map(_bytes, frozen)),
+            frozen_float_numel=sum(p.numel() for p in frozen if p.is_floating_point()),
+            frozen_other_bytes=sum(_bytes(p) for p in frozen if not p.is_floating_point()),
+            trainable_numel=sum(p.numel() for p in trainable),
+            trainable_bytes=sum(map(_bytes, trainable)),
+            optimizer_bytes=optimizer_bytes,
+            buffer_bytes=sum(map(_bytes, model.buffers())),
+        )
+
+
+def _create_states(optimizer) -> None:
+    """Make the optimizer allocate its states as its first step would: torch's by stepping once,
+    bitsandbytes' 8-bit ones (whose update kernels need real values) through their own init_state."""
+    if not hasattr(optimizer, "init_state"):
+        optimizer.step()
+        return
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            optimizer.init_state(group, param, group_index, param_index)
+
+
+def built_states(run: ResolvedRun, built: Built | None = None) -> ModelStates:
+    """The planner's model-state terms of what `build` measured (unsharded). Under DeepSpeed with
+    16-bit compute the engine casts the module to that dtype and keeps fp32 master weights and fp32
+    gradient partitions beside the optimizer states: applied here as its documented layout, since
+    the engine itself cannot start on fake tensors. A 4-bit weight stored in a 16-bit dtype is
+    already 16-bit, so the cast leaves its packed size alone."""
+    built = built or build(run)
+    if run.strategy.deepspeed and run.precision.autocast:
+        e = run.precision.compute_bytes
+        fp32_states = built.optimizer_bytes * 4 * built.trainable_numel // built.trainable_bytes
+        return ModelStates(frozen=built.frozen_float_numel * e + built.frozen_other_bytes,
+                           quant_constants=built.buffer_bytes, trainable=built.trainable_numel * e,
+                           gradients=built.trainable_numel * e,
+                           optimizer=built.trainable_numel * (4 + 4) + fp32_states, step_scratch=0.0)
+    return ModelStates(frozen=built.frozen_bytes, quant_constants=built.buffer_bytes, trainable=built.trainable_bytes,
+                       gradients=built.trainable_bytes, optimizer=built.optimizer_bytes, step_scratch=0.0)
+
+
+def _bytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def built_per_gpu(run: ResolvedRun, workload: Workload) -> Placement:
+    """`built_states` placed on one GPU by the run's strategy and offload (as the planner places its own)."""
+    return place_states(workload, built_states(run))
+
+
+def dry_run_report(run: ResolvedRun, device: Device, as_json: bool) -> str:
+    """`finetune --dry-run`: the plan of this run (the `finetune plan` table or JSON, one plan) with
+    the per-GPU bytes the trainer's construction actually holds beside the planned ones."""
+    gpu = gpu_of(run, device)
+    request, plan = plan_run(run, gpu)
+    built = built_per_gpu(run, plan.workload)
+    if as_json:
+        data = report.to_json(request, [plan], 0 if plan.fits else None, config_dir=".")
+        data["plans"][0]["built_per_gpu_gib"] = {term: round(getattr(built, term) / GIB, 3) for term in BUILT_TERMS}
+        return json.dumps(data, indent=2)
+    lines = [report.table(request, [plan], 0 if plan.fits else None, config_dir=".", heading="This run"), "",
+             "Built by the trainer's own construction (fake tensors, full size), per GPU:",
+             f"  {'term':<12} {'built':>9} {'planned':>9}  GiB"]
+    for term in BUILT_TERMS:
+        lines.append(f"  {term:<12} {getattr(built, term) / GIB:>9.2f} {getattr(plan.memory, term) / GIB:>9.2f}")
+    return "\n".join(lines)
+
+
+def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_free_bytes: int | None) -> str | None:
+    """Why the run will not fit a GPU with `free_bytes` free (and a host with `host_free_bytes`
+    available, per node), with what would; None when it fits."""
+    w, needed = workload, memory.device(workload.world_size)
+    problems = []
+    if needed > free_bytes:
+        problems.append(f"it needs {needed / GIB:.1f} GiB per GPU ({', '.join(_largest_terms(memory))} GiB) but "
+                        f"{free_bytes / GIB:.1f} GiB are free")
+    if host_free_bytes is not None and memory.host > host_free_bytes:
+        problems.append(f"it needs {memory.host / GIB:.0f} GiB of host RAM per node (offload and loading) but "
+                        f"{host_free_bytes / GIB:.0f} GiB are available")
+    if not problems:
+        return None
+    fixes = []
+    if w.micro_batch_size > 1:
+        fixes.append("a smaller --micro-batch-size (with more --gradient-accumulation-steps)")
+    if not w.gradient_checkpointing:
+        fixes.append("--gradient-checkpointing")
+    if w.method != "qlora":
+        fixes.append("--method qlora" if w.method == "lora" else "--method lora or qlora")
+    fixes.append("another strategy or offload")
+    query = f"finetune plan --model {w.model.name} --gpus {w.gpus_per_node}x{w.gpu.name}" + (
+        f" --nodes {w.nodes}" if w.nodes > 1 else "")
+    return ("This run will not fit: " + "; ".join(problems) + ".\nTry " + ", ".join(fixes)
+            + f"; `{query}` shows what fits. --no-fit-check runs it anyway.")
+
+
+def check_fit(run: ResolvedRun, device: Device) -> None:
+    """Stop before weights load when this run's plan does not fit the GPU's free memory or the
+    host's available RAM. Runs whose architecture the planner cannot read are not checked."""
+    if run.spec is None:
+        return
+    gpu = GPUSpec(device.name or "GPU", (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
+    workload = from_run(run, gpu)
+    problem = fit_problem(workload, estimate(workload), device.free_bytes or 0, host_available_bytes())
+    if problem:
+        raise FitError(problem)
+
+
+def _largest_terms(memory) -> list[str]:
+    terms = {"weights": memory.weights, "gradients": memory.gradients, "optimizer": memory.optimizer,
+             "activations": memory.activations, "buffers": memory.buffers}
+    return [f"{name} {value / GIB:.1f}" for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:3]]
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of this machine (Linux), None where /proc/meminfo is missing."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None

@@ -1,0 +1,185 @@
+"""The training loop and evaluation: the same code for every strategy.
+
+Strategies (DDP, FSDP2, DeepSpeed ZeRO) arrive inside the prepared `accelerator`, `model`,
+`optimizer` and `train_loader`; nothing here asks which one is running.
+
+Loss normalization (the decision that makes runs comparable across batch splits and world sizes):
+every target token of an optimizer step weighs the same, whichever micro-batch or rank it sits on.
+The loop counts target tokens over the whole accumulation window on all ranks before the first
+forward, asks the model for `sum(token losses) / global_tokens`, and multiplies by
+`accumulation × world_size` to undo `accelerator.backward`'s division by the accumulation steps and
+the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 × accum 4 ≡ 2 ranks × micro 2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from finetune.config.names import IGNORE_INDEX
+
+if TYPE_CHECKING:  # the loop calls them; it never needs to build them
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from finetune.checkpoint.checkpointer import Checkpointer
+    from finetune.checkpoint.progress import Progress
+    from finetune.train.metrics import MetricsRecorder
+
+
+def count_target_tokens(batch: dict) -> torch.Tensor:
+    """Tokens that contribute to the loss: labels shifted by one (as the model's loss does), not ignored."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def count_input_tokens(batch: dict) -> torch.Tensor:
+    """Tokens the model reads (for throughput): all but padding; packed rows carry no mask and count whole."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
+def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
+    """Consecutive groups of `size` micro-batches; a trailing partial group is dropped so every
+    optimizer step sees the same number of micro-batches (and resume lands on a window boundary).
+
+    A window is read whole before its first forward, so the dataloader of an epoch's last window has
+    already ended when it trains: the Accelerator must count micro-batches, not sync at the end of
+    the dataloader (`sync_with_dataloader=False`, set in strategies.build_accelerator)."""
+    iterator = iter(batches)
+    while len(window := list(itertools.islice(iterator, size))) == size:
+        yield window
+
+
+def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: DataLoader, *, progress: Progress,
+          max_steps: int, max_grad_norm: float, metrics: MetricsRecorder, checkpointer: Checkpointer | None = None,
+          evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> None:
+    """Run optimizer updates until `progress.step == max_steps` (or a preemption signal).
+
+    `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates;
+    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py).
+    """
+    accumulation, world_size = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    model.train()
+    while progress.step < max_steps:
+        train_loader.set_epoch(progress.epoch)
+        batches = train_loader
+        if progress.batches_in_epoch:  # resuming mid-epoch: same order, minus what was already trained on
+            batches = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch)
+        if checkpointer is not None:  # after a resume: RNG as saved, once the iterator exists
+            batches = checkpointer.with_rng_restored(batches)
+        for window in accumulation_windows(batches, accumulation):
+            started = time.perf_counter()
+            counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
+            global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
+            step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            grad_norm = None  # clipped on the window's last micro-batch, where the gradients are synced
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss = model(**batch, num_items_in_batch=global_targets).loss  # local sum / global count
+                    accelerator.backward(loss * accumulation * world_size)
+                    step_loss += loss.detach()
+                    if accelerator.sync_gradients:
+                        if max_grad_norm:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            progress.step += 1
+            progress.batches_in_epoch += len(window)
+            progress.tokens_seen += int(global_targets)
+            metrics.record_step(
+                step=progress.step,
+                loss=accelerator.reduce(step_loss, reduction="sum").item(),
+                lr=lr,
+                grad_norm=None if grad_norm is None else float(grad_norm),
+                tokens=int(global_inputs),
+                seconds=time.perf_counter() - started,
+            )
+            if evaluate is not None and eval_every and progress.step % eval_every == 0 and progress.step < max_steps:
+                metrics.record_eval(progress.step, evaluate())
+                model.train()
+            if checkpointer is not None and checkpointer.should_save(progress.step):
+                checkpointer.save(progress)
+            if progress.step >= max_steps or (checkpointer is not None and checkpointer.preempted):
+                return
+        progress.epoch += 1
+        progress.batches_in_epoch = 0
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def progress_bar(shown: bool) -> dict:
+    """tqdm options of an eval bar: shown on the main process only, gone once done."""
+    return {"disable": not shown, "leave": False, "file": sys.stdout, "dynamic_ncols": True}
+
+
+@torch.no_grad()
+def evaluation_loss(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader) -> float:
+    """Token-weighted mean loss over the whole eval set, each example counted once across ranks."""
+    sums, counts = [], []
+    for batch in tqdm(eval_loader, desc="eval loss", **progress_bar(accelerator.is_main_process)):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        targets = batch["labels"][:, 1:]
+        token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+        sums.append(token_loss.sum(dim=1))
+        counts.append((targets != IGNORE_INDEX).sum(dim=1))
+    per_example_sum = accelerator.gather_for_metrics(torch.cat(sums))
+    per_example_count = accelerator.gather_for_metrics(torch.cat(counts))
+    return (per_example_sum.sum() / per_example_count.sum().clamp(min=1)).item()
+
+
+@torch.no_grad()
+def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+                       max_new_tokens: int, batch_size: int = 64,
+                       show_progress: bool = False) -> list[str]:
+    """Greedy generations for prompt token ids, decoded without the prompt and special tokens.
+
+    Every rank generates the same prompts: under FSDP/ZeRO-3 each forward is a collective, so all
+    ranks must run the same number of forwards.
+    """
+    device = next(model.parameters()).device
+    completions = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="eval generate", **progress_bar(show_progress)):
+        chunk = prompts[start:start + batch_size]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in chunk], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        completions += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+    return completions
+
+
+def evaluate(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader, tokenizer: PreTrainedTokenizerBase,
+             eval_prompts: list[dict], keep_train_mode: bool) -> dict:
+    """Eval loss, exact-match accuracy of greedy generations, and the generations themselves.
+
+    `keep_train_mode` evaluates without switching to eval mode: 4-bit bitsandbytes layers repack
+    their weights in place on eval-mode no-grad forwards, which corrupts sharded QLoRA models.
+    """
+    if not keep_train_mode:
+        model.eval()
+    result = {"eval_loss": evaluation_loss(accelerator, model, eval_loader)}
+    if eval_prompts:
+        expected = [p["expected"] for p in eval_prompts]
+        max_new_tokens = max(len(tokenizer(e, add_special_tokens=False)["input_ids"]) for e in expected) + 2
+        got = greedy_completions(accelerator.unwrap_model(model), tokenizer, [p["prompt_ids"] for p in eval_prompts],
+                                 max_new_tokens, show_progress=accelerator.is_main_process)
+        matches = [g.strip() == e.strip() for g, e in zip(got, expected)]
+        result["exact_match"] = sum(matches) / len(matches)
+        result["samples"] = [{"prompt": p["prompt"], "expected": p["expected"], "generated": g}
+                             for p, g in zip(eval_prompts, got)]
+    model.train()
+    return result

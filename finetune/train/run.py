@@ -1,0 +1,219 @@
+"""One training run, wired top to bottom: config → accelerator → model and data → loop → save.
+
+`python -m finetune [flags]` and `accelerate launch [--config_file X.yaml] -m finetune [flags]` land
+in `train`, through cli.py, which parses the flags first. The strategy comes from the launch (see
+strategies.py); this file is the same for all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+from finetune.checkpoint.progress import Progress
+from finetune.train import loop
+from finetune.models import loading
+from finetune.train import dry_run
+from finetune.checkpoint.checkpointer import Checkpointer
+from finetune.config.options import EVERY_OPTION, Command, TrainConfig, planned_epochs, save_yaml
+from finetune.data import Collator, prepare_data
+from finetune.train.metrics import MetricsRecorder, plot_loss_curve
+from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
+from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
+from finetune.train.accelerator import build_accelerator
+
+
+def main(command: Command) -> int:
+    """Plan (--dry-run) or train the run `command` describes; cli.train has parsed it."""
+    run, device = resolve(command.config, command.given)
+    if command.dry_run:
+        if run.launch.rank == 0:
+            print(dry_run.dry_run_report(run, device, command.json))
+        return 0
+    train(run, device)
+    return 0
+
+
+def resolve(config: TrainConfig, given: frozenset[str] = EVERY_OPTION) -> tuple[ResolvedRun, Device]:
+    """The run this process resolves `config` (with the options the user `given`) to under its
+    launcher, and the device it trains on."""
+    device = this_device()
+    return resolve_run(config, Launch.from_environment(), device, given), device
+
+
+def this_device() -> Device:
+    """The GPU this process will train on (the launcher's LOCAL_RANK), or the CPU."""
+    if not torch.cuda.is_available():
+        return Device()
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    free, total = torch.cuda.mem_get_info(index)
+    return Device(cuda=True, name=torch.cuda.get_device_name(index), bf16=torch.cuda.is_bf16_supported(),
+                  free_bytes=free, total_bytes=total)
+
+
+def train(run: ResolvedRun, device: Device) -> dict:
+    """Train as `run` says; returns the summary also written to `<output_dir>/summary.json`."""
+    config = run.config
+    if device.cuda and config.fit_check:
+        dry_run.check_fit(run, device)  # before any weights load, and before the process group forms
+    # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
+    # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the
+    # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
+    # others wait on its file lock.
+    loading.materialize(config)
+    accelerator = build_accelerator(run)
+    batch = run.batch
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    say = accelerator.print
+
+    # tokenizer and data (the main process of each node writes caches first, the others reuse them)
+    with accelerator.local_main_process_first():
+        tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
+        data = prepare_data(config, tokenizer)
+    set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
+    model = loading.load_model(run, accelerator.device)
+    if config.packing:
+        loading.check_packing_support(model)
+
+    collator = Collator(tokenizer)
+    train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
+    windows_per_epoch = math.ceil(len(data.train) / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
+    max_steps = config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
+    run = run.with_max_steps(max_steps)
+    lr = run.peak_lr
+    optimizer = build_optimizer(config, model, lr)
+    scheduler = build_scheduler(config, optimizer, max_steps)
+
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress, scheduler)
+
+    trainable, total = loading.parameter_counts(accelerator.unwrap_model(model))
+    resolved = {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+                "global_batch_size": batch.global_batch_size, "max_steps": max_steps, "peak_lr": lr,
+                "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
+                "train_examples": len(data.train), "eval_examples": len(data.eval),
+                "trainable_parameters": trainable, "total_parameters": total}
+    # resume before anything reads `progress`
+    checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
+    if checkpointer.resume() is not None:
+        say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
+        schedule_change = continue_schedule(scheduler, max_steps, progress.step)
+        if schedule_change:
+            say(schedule_change)
+    if accelerator.is_main_process:
+        save_yaml(config, output_dir / "run.yaml", extra=resolved)
+    say(f"model {config.model} ({config.method}): {trainable:,} trainable of {total:,} parameters")
+    say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
+        f"{batch.world_size} = global {batch.global_batch_size}; {max_steps} optimizer steps at peak lr {lr:.2e}")
+    if config.report_to != "none":
+        accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
+
+    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, batch.micro_batch_size)
+    before = evaluate() if evaluate else {}
+    metrics = MetricsRecorder(accelerator, output_dir, max_steps, config.log_every, start_step=progress.step)
+    if before:
+        metrics.record_eval(progress.step, before)
+    loop.train(accelerator, model, optimizer, scheduler, train_loader, progress=progress, max_steps=max_steps,
+               max_grad_norm=config.max_grad_norm, metrics=metrics, checkpointer=checkpointer, evaluate=evaluate,
+               eval_every=config.eval_every)
+    checkpointer.close()
+    if checkpointer.preempted:  # saved in the loop; stop here, exit 0
+        metrics.close()
+        say(checkpointer.preemption_message())
+        return {"steps": progress.step, "tokens_seen": progress.tokens_seen, "preempted": True}
+    if config.save_every and checkpointer.last_saved_step != progress.step:
+        checkpointer.save(progress)
+    after = evaluate() if evaluate else {}
+    if after:
+        metrics.record_eval(progress.step, after)
+    metrics.close()
+
+    if config.save_final:
+        save_final(accelerator, model, tokenizer, output_dir)
+    summary = {
+        "steps": progress.step, "tokens_seen": progress.tokens_seen,
+        "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
+        "exact_match_before": before.get("exact_match"), "exact_match_after": after.get("exact_match"),
+        "samples": samples_before_after(before, after)[: config.num_samples],
+    }
+    if accelerator.is_main_process:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
+        say(format_summary(summary))
+    accelerator.end_training()
+    return summary
+
+
+NO_EVAL_REASON = {True: "--max-eval-examples 0", False: "the eval split is empty"}
+
+
+def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, collator, micro_batch_size: int):
+    """`evaluate()` for this run, or None when eval is off (--max-eval-examples 0, or no eval rows).
+
+    Eval loss always; greedy exact match only on the first `generated_prompts` prompts, because
+    under FSDP/ZeRO-3 every generated token gathers the whole model on every rank.
+    """
+    if len(data.eval) == 0:
+        accelerator.print(f"eval: off ({NO_EVAL_REASON[config.max_eval_examples == 0]})")
+        return None
+    # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
+    eval_loader = accelerator.prepare_data_loader(DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator))
+    prompts = data.eval_prompts[:generated_prompts(config, len(data.eval_prompts))]
+    accelerator.print(f"eval: loss on {len(data.eval):,} examples; "
+                      + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
+                         "no generation (--eval-generate N adds greedy exact match on N prompts)"))
+
+    def evaluate() -> dict:
+        return loop.evaluate(accelerator, model, eval_loader, tokenizer, prompts, keep_train_mode=config.method == "qlora")
+
+    return evaluate
+
+
+def generated_prompts(config: TrainConfig, available: int) -> int:
+    """--eval-generate, or when unset: every eval prompt of the builtin dataset (tiny model, quick
+    answers), none for other data (a real model's generations cost far more than its eval loss)."""
+    wanted = config.eval_generate if config.eval_generate is not None else (available if config.dataset == "builtin" else 0)
+    return min(wanted, available)
+
+
+def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
+    """The trained model as a Hugging Face folder: full weights, or the PEFT adapter for LoRA/QLoRA.
+
+    `get_state_dict` gathers sharded (FSDP/ZeRO-3) parameters on every rank; passing it explicitly is
+    what keeps adapters from being saved empty under sharding.
+    """
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+
+
+def samples_before_after(before: dict, after: dict) -> list[dict]:
+    """Each eval prompt's greedy answer after training (`generated`) beside the one before (`before`):
+    both evaluations ask the same prompts in the same order."""
+    return [{**a, "before": b["generated"]} for a, b in zip(after.get("samples", []), before.get("samples", []))]
+
+
+def format_summary(summary: dict) -> str:
+    if summary["eval_loss_before"] is None:
+        return f"\n{summary['steps']} optimizer steps; no evaluation"
+    lines = ["", f"{'':24}{'before':>10}{'after':>10}",
+             f"{'eval loss':24}{summary['eval_loss_before']:>10.4f}{summary['eval_loss_after']:>10.4f}"]
+    if summary["exact_match_before"] is not None:
+        lines.append(f"{'exact match (greedy)':24}{summary['exact_match_before']:>10.1%}{summary['exact_match_after']:>10.1%}")
+    for sample in summary["samples"]:
+        lines += ["", sample["prompt"].rstrip(), f"  before:   {sample['before']!r}",
+                  f"  after:    {sample['generated']!r}", f"  expected: {sample['expected']!r}"]
+    return "\n".join(lines)
