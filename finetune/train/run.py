@@ -1,8 +1,10 @@
-"""One training run, wired top to bottom: config → accelerator → model and data → loop → save.
+"""One training run, in two halves: `setup` builds it (config → accelerator → tokenizer, data,
+model → optimizer, schedule → prepare → resume), `fit` trains it (eval → loop → save → eval → summary).
 
 `python -m finetune [flags]` and `accelerate launch [--config_file X.yaml] -m finetune [flags]` land
-in `train`, through cli.py, which parses the flags first. The strategy comes from the launch (see
-strategies.py); this file is the same for all.
+in `main`, through cli.py, which parses the flags first. The strategy comes from the launch (see
+train/accelerator.py); this file is the same for all. Tests and benches build their runs with
+`setup` too, so what they check is what a user's run does.
 """
 
 from __future__ import annotations
@@ -10,23 +12,26 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
 
-from finetune.checkpoint.progress import Progress
-from finetune.train import loop
-from finetune.models import loading
-from finetune.train import dry_run
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.config.options import EVERY_OPTION, Command, TrainConfig, planned_epochs, save_yaml
-from finetune.data import Collator, prepare_data
+from finetune.checkpoint.progress import Progress
+from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
+from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
+from finetune.data import Collator, PreparedData, prepare_data
+from finetune.models import loading
+from finetune.train import dry_run, loop
+from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
-from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
-from finetune.train.accelerator import build_accelerator
 
 
 def main(command: Command) -> int:
@@ -59,6 +64,46 @@ def this_device() -> Device:
 
 def train(run: ResolvedRun, device: Device) -> dict:
     """Train as `run` says; returns the summary also written to `<output_dir>/summary.json`."""
+    return fit(setup(run, device))
+
+
+@dataclass(frozen=True)
+class Session:
+    """One run, built and ready to train: what `setup` made and `fit` runs. Tests and benches enter
+    here too, so they exercise the production optimiser, schedule, collator, loader and loop."""
+
+    run: ResolvedRun  # its max_steps resolved
+    accelerator: Accelerator
+    model: torch.nn.Module  # prepared
+    tokenizer: PreTrainedTokenizerBase
+    data: PreparedData
+    collator: Collator
+    train_loader: DataLoader  # prepared
+    optimizer: torch.optim.Optimizer  # prepared
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # not prepared: stepped once per update (see optim.py)
+    progress: Progress  # where a resume left it
+    checkpointer: Checkpointer
+    evaluate: Callable[[], dict] | None  # None when eval is off
+    resolved: dict  # the derived numbers, for run.yaml and every checkpoint manifest
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.run.config
+
+    @property
+    def max_steps(self) -> int:
+        return self.resolved["max_steps"]
+
+    def recorder(self) -> MetricsRecorder:
+        """The run's metrics.jsonl writer and progress bar, from the step it is at."""
+        return MetricsRecorder(self.accelerator, self.config.output_dir, self.max_steps, self.config.log_every,
+                               start_step=self.progress.step)
+
+
+def setup(run: ResolvedRun, device: Device) -> Session:
+    """Build everything a run trains with, in the order that matters, and resume it if asked:
+    fit check → weights on disk → Accelerator → tokenizer, data → model → loader, optimizer, schedule
+    → prepare → checkpointer (resume) → run.yaml and what the run will do, printed."""
     config = run.config
     if device.cuda and config.fit_check:
         dry_run.check_fit(run, device)  # before any weights load, and before the process group forms
@@ -68,12 +113,8 @@ def train(run: ResolvedRun, device: Device) -> dict:
     # others wait on its file lock.
     loading.materialize(config)
     accelerator = build_accelerator(run)
-    batch = run.batch
-    output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    say = accelerator.print
-
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
     with accelerator.local_main_process_first():
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
@@ -84,74 +125,110 @@ def train(run: ResolvedRun, device: Device) -> dict:
         loading.check_packing_support(model)
 
     collator = Collator(tokenizer)
-    train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
-    windows_per_epoch = math.ceil(len(data.train) / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
-    max_steps = config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
-    run = run.with_max_steps(max_steps)
-    lr = run.peak_lr
-    optimizer = build_optimizer(config, model, lr)
-    scheduler = build_scheduler(config, optimizer, max_steps)
-
+    train_loader = DataLoader(data.train, batch_size=run.batch.micro_batch_size, shuffle=True, collate_fn=collator)
+    run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
+    optimizer = build_optimizer(config, model, run.peak_lr)
+    scheduler = build_scheduler(config, optimizer, run.max_steps)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
 
-    trainable, total = loading.parameter_counts(accelerator.unwrap_model(model))
-    resolved = {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
-                "global_batch_size": batch.global_batch_size, "max_steps": max_steps, "peak_lr": lr,
-                "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
-                "train_examples": len(data.train), "eval_examples": len(data.eval),
-                "trainable_parameters": trainable, "total_parameters": total}
-    # resume before anything reads `progress`
+    resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
     checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
-    if checkpointer.resume() is not None:
-        say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
-        schedule_change = continue_schedule(scheduler, max_steps, progress.step)
-        if schedule_change:
-            say(schedule_change)
-    if accelerator.is_main_process:
-        save_yaml(config, output_dir / "run.yaml", extra=resolved)
-    say(f"model {config.model} ({config.method}): {trainable:,} trainable of {total:,} parameters")
-    say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
-        f"{batch.world_size} = global {batch.global_batch_size}; {max_steps} optimizer steps at peak lr {lr:.2e}")
-    if config.report_to != "none":
-        accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
+    resume(checkpointer, scheduler, progress, run.max_steps)
+    announce(run, accelerator, data, resolved)
+    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
+    return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
+                   checkpointer, evaluate, resolved)
 
-    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, batch.micro_batch_size)
-    before = evaluate() if evaluate else {}
-    metrics = MetricsRecorder(accelerator, output_dir, max_steps, config.log_every, start_step=progress.step)
+
+def fit(session: Session) -> dict:
+    """Train the built run to its last step (or a preemption), save, evaluate, report; returns the
+    summary also written to `<output_dir>/summary.json`."""
+    s, config, output_dir = session, session.config, Path(session.config.output_dir)
+    before = s.evaluate() if s.evaluate else {}
+    metrics = s.recorder()
     if before:
-        metrics.record_eval(progress.step, before)
-    loop.train(accelerator, model, optimizer, scheduler, train_loader, progress=progress, max_steps=max_steps,
-               max_grad_norm=config.max_grad_norm, metrics=metrics, checkpointer=checkpointer, evaluate=evaluate,
-               eval_every=config.eval_every)
-    checkpointer.close()
-    if checkpointer.preempted:  # saved in the loop; stop here, exit 0
+        metrics.record_eval(s.progress.step, before)
+    try:
+        loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
+                   max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
+                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every)
+    finally:
+        s.checkpointer.close()  # the preemption signals go back to their handlers
+    if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
         metrics.close()
-        say(checkpointer.preemption_message())
-        return {"steps": progress.step, "tokens_seen": progress.tokens_seen, "preempted": True}
-    if config.save_every and checkpointer.last_saved_step != progress.step:
-        checkpointer.save(progress)
-    after = evaluate() if evaluate else {}
+        s.accelerator.print(s.checkpointer.preemption_message())
+        return {"steps": s.progress.step, "tokens_seen": s.progress.tokens_seen, "preempted": True}
+    if config.save_every and s.checkpointer.last_saved_step != s.progress.step:
+        s.checkpointer.save(s.progress)
+    after = s.evaluate() if s.evaluate else {}
     if after:
-        metrics.record_eval(progress.step, after)
+        metrics.record_eval(s.progress.step, after)
     metrics.close()
 
     if config.save_final:
-        save_final(accelerator, model, tokenizer, output_dir)
+        save_final(s.accelerator, s.model, s.tokenizer, output_dir)
     summary = {
-        "steps": progress.step, "tokens_seen": progress.tokens_seen,
+        "steps": s.progress.step, "tokens_seen": s.progress.tokens_seen,
         "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
         "exact_match_before": before.get("exact_match"), "exact_match_after": after.get("exact_match"),
         "samples": samples_before_after(before, after)[: config.num_samples],
     }
-    if accelerator.is_main_process:
+    if s.accelerator.is_main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
-        say(format_summary(summary))
-    accelerator.end_training()
+        s.accelerator.print(format_summary(summary))
+    s.accelerator.end_training()
     return summary
+
+
+def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) -> int:
+    """--max-steps, or the updates of --epochs (whole accumulation windows; see loop.accumulation_windows)."""
+    windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
+    return config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
+
+
+def resolved_numbers(run: ResolvedRun, model: torch.nn.Module, data: PreparedData) -> dict:
+    """What the flags resolved to on this launch: written to run.yaml and every checkpoint's manifest."""
+    batch = run.batch
+    trainable, total = loading.parameter_counts(model)
+    return {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+            "global_batch_size": batch.global_batch_size, "max_steps": run.max_steps, "peak_lr": run.peak_lr,
+            "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
+            "train_examples": len(data.train), "eval_examples": len(data.eval),
+            "trainable_parameters": trainable, "total_parameters": total}
+
+
+def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps: int) -> None:
+    """Load the checkpoint --resume names, if any, before anything reads `progress`, and stretch the
+    restored LR schedule to this run's --max-steps. A refused checkpoint gives the signals back."""
+    try:
+        resumed = checkpointer.resume()
+    except BaseException:
+        checkpointer.close()
+        raise
+    if resumed is not None:
+        say = checkpointer.accelerator.print
+        say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
+        schedule_change = continue_schedule(scheduler, max_steps, progress.step)
+        if schedule_change:
+            say(schedule_change)
+
+
+def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict) -> None:
+    """run.yaml, the run's shape printed as nanoGPT prints its derived numbers, and the trackers."""
+    config, batch = run.config, run.batch
+    if accelerator.is_main_process:
+        save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
+    say = accelerator.print
+    say(f"model {config.model} ({config.method}): {resolved['trainable_parameters']:,} trainable of "
+        f"{resolved['total_parameters']:,} parameters")
+    say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
+        f"{batch.world_size} = global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
+    if config.report_to != "none":
+        accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 
 
 NO_EVAL_REASON = {True: "--max-eval-examples 0", False: "the eval split is empty"}
