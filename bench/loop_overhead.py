@@ -1,8 +1,9 @@
 """Step time of finetune's loop vs a bare hand-written Accelerate loop vs transformers' Trainer.
 
 Same tiny model (catalog `tiny`, seeded), same builtin data and collator, same batch, AdamW, one
-process on CPU. Each variant runs `--steps` optimizer updates after `--warmup` untimed ones;
-the table reports the median step time over `--repeats` runs and the ratio to the bare loop.
+process on CPU; finetune's variant is the run `train.setup` builds. Each variant runs `--steps`
+optimizer updates after `--warmup` untimed ones; the table reports the median step time over
+`--repeats` runs and the ratio to the bare loop.
 
     python bench/loop_overhead.py [--steps 40] [--repeats 5]
 """
@@ -21,11 +22,11 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune.checkpoint.progress import Progress
 from finetune.train import loop
 from finetune.models.catalog import get
 from finetune.config.options import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
+from finetune.train.run import resolve, setup
 
 MICRO_BATCH = 16
 
@@ -54,15 +55,17 @@ class WarmupClock:
 
 
 def time_finetune_loop(data, collator, steps: int, warmup: int) -> float:
-    accelerator = fresh_accelerator()
-    model = fresh_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    loader = DataLoader(data, batch_size=MICRO_BATCH, shuffle=True, collate_fn=collator)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    clock = WarmupClock(warmup)
-    loop.train(accelerator, model, optimizer, scheduler, loader, progress=Progress(), max_steps=warmup + steps,
-               max_grad_norm=1.0, metrics=clock)
+    """finetune's own run as `train.setup` builds it (same model, data, collator, batch), stepped by its loop."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = TrainConfig(output_dir=tmp, micro_batch_size=MICRO_BATCH, max_steps=warmup + steps, lr=1e-3,
+                             warmup_steps=0, lr_schedule="constant", max_eval_examples=0)
+        s = setup(*resolve(config))
+        clock = WarmupClock(warmup)
+        loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
+                   max_steps=s.max_steps, max_grad_norm=1.0, metrics=clock)
+        s.checkpointer.close()
     return (time.perf_counter() - clock.started) / steps
 
 

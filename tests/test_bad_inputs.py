@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 ALPACA_ROW = {"instruction": "Add.", "input": "2+3", "output": "5"}
 ROWS = "".join(json.dumps(ALPACA_ROW) + "\n" for _ in range(8))

@@ -10,7 +10,8 @@ import re
 import datasets
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from helpers import tiny_model, write_jsonl
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from finetune.models.catalog import get
 from finetune.config.options import TrainConfig
@@ -33,16 +34,6 @@ CHAT = [
     {"role": "user", "content": "and 4+4?"},
     {"role": "assistant", "content": "8"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BUILTIN_DIR)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def prepare(tokenizer, dataset, **overrides):
@@ -312,20 +303,11 @@ def test_collator_pads_right_and_masks_padding(tokenizer):
     assert batch["position_ids"].tolist() == [[0, 1, 0], [0, 0, 1]]
 
 
-def _tiny_model(model_type: str):
-    config = AutoConfig.for_model(
-        model_type, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
-def test_packed_examples_do_not_attend_to_each_other(tokenizer, model_type):
+@pytest.mark.parametrize("name", ["tiny", "mistral-7b", "qwen2.5-7b"])  # Llama, Mistral, Qwen2 classes
+def test_packed_examples_do_not_attend_to_each_other(tokenizer, name):
     """Each packed example's logits equal its logits computed alone: no attention crosses an
     example boundary. The 2nd row is shorter, so its padding is exercised too."""
-    model = _tiny_model(model_type)
+    model = tiny_model(name, vocab_size=128).eval()
     examples = [ids(tokenizer, text) for text in ("<s>first example", "<s>2nd", "<s>third one", "<s>4")]
     rows = [{"input_ids": first + second, "labels": first + second,
              "position_ids": list(range(len(first))) + list(range(len(second)))}

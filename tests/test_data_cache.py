@@ -5,7 +5,6 @@ library versions) makes a new entry; tokenizing in several processes gives the s
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -16,21 +15,15 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import REPO
-from transformers import AutoTokenizer
+from helpers import REPO, write_jsonl
 
 import finetune.data
 from finetune import cli
 from finetune.config.options import TrainConfig
-from finetune.data import BUILTIN_DIR, cache, prepare_data, tokenize_processes
+from finetune.data import cache, prepare_data, tokenize_processes
 from finetune.errors import FinetuneError
 
 ROWS = [{"instruction": "Add.", "input": f"{a}+{b}", "output": str(a + b)} for a in range(4) for b in range(4)]
-
-
-@pytest.fixture
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BUILTIN_DIR)
 
 
 @pytest.fixture
@@ -47,11 +40,6 @@ def encoded_rows(monkeypatch) -> list[int]:
     return calls
 
 
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
 def contents(data) -> tuple:
     return data.format, data.train.to_list(), data.eval.to_list(), data.eval_prompts
 
@@ -61,7 +49,7 @@ def entries(root: Path) -> list[str]:
 
 
 def test_second_preparation_reads_the_cache_instead_of_tokenizing(tmp_path, tokenizer, encoded_rows):
-    config = TrainConfig(dataset=str(write_rows(tmp_path / "a.jsonl", ROWS)), eval_split="0.25",
+    config = TrainConfig(dataset=str(write_jsonl(tmp_path / "a.jsonl", ROWS)), eval_split="0.25",
                          data_cache=str(tmp_path / "cache"), packing=True)
     first = prepare_data(config, tokenizer)
     assert not first.reused and sum(encoded_rows) == len(ROWS) and first.origin.startswith("tokenized into")
@@ -119,7 +107,7 @@ INGREDIENTS = {"rows": _change_rows, "vocabulary": _change_vocabulary, "chat tem
 
 @pytest.mark.parametrize("ingredient", [*INGREDIENTS, *OPTION_CHANGES])
 def test_each_ingredient_of_the_fingerprint_makes_a_new_entry(tmp_path, tokenizer, monkeypatch, encoded_rows, ingredient):
-    path = write_rows(tmp_path / "a.jsonl", ROWS)
+    path = write_jsonl(tmp_path / "a.jsonl", ROWS)
     config = TrainConfig(dataset=str(path), eval_split="0.25", data_cache=str(tmp_path / "cache"))
     first = prepare_data(config, tokenizer)
     if ingredient in INGREDIENTS:
@@ -145,7 +133,7 @@ def test_the_fingerprint_covers_every_option_the_data_layer_reads():
 
 
 def test_several_tokenizing_processes_give_the_same_data(tmp_path, tokenizer, monkeypatch):
-    config = TrainConfig(dataset=str(write_rows(tmp_path / "a.jsonl", ROWS)), data_cache="none", packing=True, max_seq_len=128)
+    config = TrainConfig(dataset=str(write_jsonl(tmp_path / "a.jsonl", ROWS)), data_cache="none", packing=True, max_seq_len=128)
     alone = prepare_data(replace(config, dataset_num_proc=1), tokenizer)
     encode, pids = finetune.data.encode, tmp_path / "pids"
 
@@ -165,7 +153,7 @@ def test_several_tokenizing_processes_give_the_same_data(tmp_path, tokenizer, mo
 
 
 def test_a_process_that_loses_the_race_to_publish_keeps_the_winners_entry(tmp_path, tokenizer):
-    config = TrainConfig(dataset=str(write_rows(tmp_path / "a.jsonl", ROWS)), data_cache="none", eval_split="0.5")
+    config = TrainConfig(dataset=str(write_jsonl(tmp_path / "a.jsonl", ROWS)), data_cache="none", eval_split="0.5")
     ours = prepare_data(replace(config, max_eval_examples=4), tokenizer)
     theirs = prepare_data(config, tokenizer)
     entry = tmp_path / "entry"
@@ -177,7 +165,7 @@ def test_a_process_that_loses_the_race_to_publish_keeps_the_winners_entry(tmp_pa
 
 
 def test_a_damaged_entry_is_named_with_the_fix(tmp_path, tokenizer):
-    config = TrainConfig(dataset=str(write_rows(tmp_path / "a.jsonl", ROWS)), data_cache=str(tmp_path / "cache"))
+    config = TrainConfig(dataset=str(write_jsonl(tmp_path / "a.jsonl", ROWS)), data_cache=str(tmp_path / "cache"))
     entry = prepare_data(config, tokenizer).cache_entry
     for arrow in entry.rglob("*.arrow"):
         arrow.unlink()
@@ -194,13 +182,13 @@ def test_cache_location_and_unwritable_cache(tmp_path, tokenizer, monkeypatch):
     assert cache.cache_root("none") is None
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(FinetuneError, match=r"Could not write tokenized data to .*file/cache.*--data-cache none"):
-        rows = write_rows(tmp_path / "a.jsonl", ROWS)
+        rows = write_jsonl(tmp_path / "a.jsonl", ROWS)
         prepare_data(TrainConfig(dataset=str(rows), data_cache=str(tmp_path / "file" / "cache")), tokenizer)
 
 
 @pytest.mark.slow  # a training run: ~15 s here
 def test_prepare_command_fills_the_cache_that_the_training_run_reads(tmp_path, capsys, encoded_rows):
-    flags = ["--dataset", str(write_rows(tmp_path / "a.jsonl", ROWS)), "--eval-split", "0.25",
+    flags = ["--dataset", str(write_jsonl(tmp_path / "a.jsonl", ROWS)), "--eval-split", "0.25",
              "--data-cache", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")]
     assert cli.main(["prepare", *flags]) == 0
     [entry] = entries(tmp_path / "cache")

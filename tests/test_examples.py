@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 from finetune.data.formats import check_rows, detect_format
 from finetune.data.sources import load_splits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import word_tokenizer
+from helpers import train_steps
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,7 +25,7 @@ def logits(model) -> torch.Tensor:
 
 def test_full_export_is_sharded_and_reproduces_the_trained_logits(make_run, tmp_path):
     run = make_run(save_every=2)
-    run.train_steps(2)
+    train_steps(run, 2)
     out = tmp_path / "exported"
     assert cli(["export", str(tmp_path / "out"), "--out", str(out), "--max-shard-size", "20KB"]) == 0
 
@@ -50,7 +50,7 @@ def test_lora_export_as_adapter_and_merged(make_run, tmp_path):
     from peft import PeftModel
 
     run = make_run(method="lora", save_every=2)
-    run.train_steps(2)
+    train_steps(run, 2)
     trained = logits(run.model)
 
     adapter = export(tmp_path / "out", tmp_path / "adapter")
@@ -72,7 +72,7 @@ def test_lora_export_as_adapter_and_merged(make_run, tmp_path):
 
 def test_export_refusals(make_run, tmp_path):
     run = make_run(save_every=1)
-    run.train_steps(1)
+    train_steps(run, 1)
     with pytest.raises(CheckpointError, match="is full fine-tuning; there is no adapter"):
         export(tmp_path / "out", tmp_path / "x", merge_lora=True)
     (tmp_path / "busy").mkdir()
@@ -88,9 +88,9 @@ def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_ru
     from finetune.train.run import save_final
 
     run = make_run(save_every=2)
-    run.train_steps(2)
+    train_steps(run, 2)
     output_dir = tmp_path / "out"
-    save_final(run.accelerator, run.model, word_tokenizer(), output_dir)  # as run.py ends a run
+    save_final(run.accelerator, run.model, run.tokenizer, output_dir)  # as run.py ends a run
     save_yaml(run.config, output_dir / "run.yaml", extra={"precision": "fp32"})
     (output_dir / "summary.json").write_text(json.dumps({"steps": 2}))
     assert find_trained(output_dir).path == output_dir  # as new as checkpoints/step-000002: the final model
@@ -100,7 +100,7 @@ def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_ru
         "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(exported)), logits(run.model))
 
-    run.train_steps(2)  # as a resumed run preempted at step 4: its checkpoint is newer than the final model
+    train_steps(run, 2)  # as a resumed run preempted at step 4: its checkpoint is newer than the final model
     assert find_trained(output_dir).path.name == "step-000004"
     exported = export(output_dir, tmp_path / "newer")
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(exported)), logits(run.model))

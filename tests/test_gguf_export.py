@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import train_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main as cli
@@ -79,7 +80,7 @@ def test_gguf_file_holds_llama_cpp_metadata_tokenizer_and_types(bpe_lora_run, tm
 
 def test_a_tokenizer_without_a_gguf_form_is_refused_before_anything_is_written(make_run, tmp_path):
     run = make_run(save_every=1)  # the word-level test tokenizer
-    run.train_steps(1)
+    train_steps(run, 1)
     with pytest.raises(GgufExportError, match=r"tokenizer model 'WordLevel'.*supported: byte-level BPE"):
         export_gguf(tmp_path / "out", tmp_path / "exports" / "gguf")
     assert not (tmp_path / "exports").exists()  # refused before the staging export

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 import torch
 from safetensors.torch import load_file
 

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 KIT = REPO / "bench/gpu"
 sys.path.insert(0, str(KIT))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from conftest import reset_accelerate, tiny_llama
+from helpers import reset_accelerate, tiny_model
 from torch.utils.data import DataLoader
 
 from finetune.checkpoint.progress import Progress
@@ -55,7 +55,7 @@ def prepared(output_dir, micro_batch_size: int, accumulation: int, model, make_o
 def one_sgd_update(tmp_path, micro_batch_size: int, accumulation: int):
     """Run one optimizer update with SGD(lr=1), so the weight change is minus the gradient (float64
     keeps the subtraction exact enough to compare gradients of 1e-4 on weights of 1)."""
-    model = tiny_llama(seed=0).double()
+    model = tiny_model(seed=0).double()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     accelerator, model, optimizer, loader = prepared(tmp_path, micro_batch_size, accumulation, model,
                                                      lambda params: torch.optim.SGD(params, lr=1.0), variable_length_examples())
@@ -69,7 +69,7 @@ def one_sgd_update(tmp_path, micro_batch_size: int, accumulation: int):
 
 def full_batch_reference():
     """Gradient and loss of the token-weighted mean over all 8 examples in one forward."""
-    model = tiny_llama(seed=0).double()
+    model = tiny_model(seed=0).double()
     batch = pad_collate(variable_length_examples())
     loss = model(**batch).loss  # HF's default: mean over all non-ignored target tokens
     loss.backward()
@@ -78,7 +78,7 @@ def full_batch_reference():
 
 def naive_mean_of_micro_batch_means(micro_batch_size: int):
     """What a loop that averages per-micro-batch mean losses would compute."""
-    model = tiny_llama(seed=0).double()
+    model = tiny_model(seed=0).double()
     examples = variable_length_examples()
     chunks = [examples[i:i + micro_batch_size] for i in range(0, len(examples), micro_batch_size)]
     for chunk in chunks:
@@ -128,7 +128,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 
 def test_scheduler_steps_once_per_update_with_accumulation(tmp_path):
     """With 4 micro-batches per update, 2 updates must advance the LR schedule by exactly 2."""
-    accelerator, model, optimizer, loader = prepared(tmp_path, 1, 4, tiny_llama(), lambda params: torch.optim.SGD(params, lr=1.0),
+    accelerator, model, optimizer, loader = prepared(tmp_path, 1, 4, tiny_model(), lambda params: torch.optim.SGD(params, lr=1.0),
                                                      variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     loop.train(accelerator, model, optimizer, scheduler, loader, progress=Progress(), max_steps=2,
@@ -146,7 +146,7 @@ def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path):
     """8 examples at micro 2 × accumulation 2: 2 updates per epoch, so 5 updates pass two epoch ends.
     The loop collects each window before its first forward, so in an epoch's last window the
     dataloader has already ended; that must not make every micro-batch of the window step."""
-    accelerator, model, optimizer, loader = prepared(tmp_path, 2, 2, tiny_llama(), lambda params: torch.optim.AdamW(params),
+    accelerator, model, optimizer, loader = prepared(tmp_path, 2, 2, tiny_model(), lambda params: torch.optim.AdamW(params),
                                                      variable_length_examples())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     progress = Progress()

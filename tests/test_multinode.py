@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO
+from helpers import REPO
 
 from finetune.train import preflight
 from finetune.launch import slurm

@@ -13,8 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan import gpus
+from finetune.config.options import TrainConfig
 from finetune.models import catalog
+from finetune.plan import gpus
 from finetune.plan.memory import dequant_scratch_bytes, estimate
 from finetune.plan.params import NF4_DOUBLE_QUANT_BYTES, count_params
 from finetune.plan.workload import Workload
@@ -22,6 +23,7 @@ from finetune.plan.workload import Workload
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+loading = pytest.importorskip("finetune.models.loading")  # imports torch and transformers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,10 +50,13 @@ class Linear4bitStandIn(torch.nn.Linear):
 
 
 def build(w: Workload, compute_dtype):
-    """The plan's model on the meta device (QLoRA: stand-in linears, fp32 everything else), with
-    PEFT adapters, then given fake CPU storage."""
+    """The plan's model on the meta device (QLoRA: stand-in linears, fp32 everything else), prepared as
+    training prepares it (loading.prepare_for_training: LoRA adapters, checkpointing, train mode), then
+    given fake CPU storage as --dry-run's skeleton is (loading.give_fake_storage)."""
     config = transformers.AutoConfig.for_model(**w.model.to_hf_config_dict())
     config._attn_implementation = "sdpa"
+    run = TrainConfig(method=w.method, lora_r=w.lora_r, lora_alpha=2 * w.lora_r, lora_targets=w.lora_targets,
+                      gradient_checkpointing=w.gradient_checkpointing)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
         if w.method == "qlora":
@@ -64,19 +69,8 @@ def build(w: Workload, compute_dtype):
                 for name, param in model.named_parameters():
                     if not any(linear in name for linear in LINEARS):
                         param.data = param.data.float()
-        model = peft.get_peft_model(model, peft.LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=w.lora_targets.split(",")))
-    fakes = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                fakes.setdefault(id(param), torch.nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad))
-                module._parameters[name] = fakes[id(param)]
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = torch.empty_like(buffer, device="cpu")
-    model.train()
-    if w.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = loading.prepare_for_training(model, run)
+    loading.give_fake_storage(model)
     return model
 
 

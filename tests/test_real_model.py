@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 from safetensors import safe_open
 from test_strategies_distributed import STEPS, retrain
 from transformers import AutoModelForCausalLM

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from finetune.launch import rehearse
 from finetune.config.options import TrainConfig, base_lr, parse_command

@@ -1,4 +1,5 @@
-"""Exact resume in one process through the real pieces: build_accelerator, loop.train, Checkpointer.
+"""Exact resume in one process through the run's own setup() and fit(): its Accelerator, optimiser,
+LR schedule, collator, loader, loop and Checkpointer.
 
 A run stopped by SIGUSR1 at step k (the preemption path) and resumed with `--resume auto` must
 reproduce the uninterrupted run's losses and final weights bitwise, with LoRA dropout on (so the
@@ -9,79 +10,50 @@ stop in the middle of an epoch and one at an epoch boundary. A resume that chang
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import pytest
 import torch
-from accelerate.utils import set_seed
-from conftest import reset_accelerate, tiny_llama
-from torch.utils.data import DataLoader
+from helpers import reset_accelerate, word_rows, word_run_model, write_jsonl
 
-from finetune.checkpoint.progress import Progress
 from finetune import cli
-from finetune.train import loop
-from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.config.options import TrainConfig, scaled_lr
-from finetune.train.metrics import MetricsRecorder, read_metrics
-from finetune.train.optim import LRSchedule, build_optimizer, build_scheduler
-from finetune.train.run import resolve
-from finetune.train.accelerator import build_accelerator
+from finetune.config.options import TrainConfig
+from finetune.train.metrics import read_metrics
+from finetune.train.optim import LRSchedule
+from finetune.train.run import fit, resolve, setup
 
 STEPS = 7  # 12 examples / (micro 2 × accumulation 2) = 3 updates per epoch: stops at 2 and 3, end in epoch 3
 
 
-def examples() -> list[dict]:
-    generator = torch.Generator().manual_seed(1)
-    return [{"input_ids": torch.randint(1, 64, (6 + i % 5,), generator=generator)} for i in range(12)]
+def preempt_after(optimizer, updates: int) -> None:
+    """Send this process SIGUSR1 right after optimizer update `updates`, as Slurm would mid-run."""
+    done = []
 
+    def count(*_) -> None:
+        done.append(1)
+        if len(done) == updates:
+            os.kill(os.getpid(), signal.SIGUSR1)
 
-def collate(rows: list[dict]) -> dict:
-    ids = torch.nn.utils.rnn.pad_sequence([r["input_ids"] for r in rows], batch_first=True, padding_value=0)
-    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    optimizer.optimizer.register_step_post_hook(count)  # the prepared optimizer's torch optimizer
 
 
 def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> tuple[list[float], dict]:
-    """One run of STEPS updates (or until SIGUSR1 sent after update `stop_at`); returns the losses
-    this process logged and the final trainable weights."""
-    from peft import LoraConfig, get_peft_model
-
+    """One run of STEPS updates built by `train.setup` and run by `train.fit` (or until SIGUSR1 sent
+    after update `stop_at`); returns the losses it logged and the final trainable weights."""
     reset_accelerate()
-    config = TrainConfig(output_dir=str(output_dir), method="lora", lora_dropout=0.1, micro_batch_size=2,
-                         gradient_accumulation_steps=2, max_steps=STEPS, warmup_steps=2, log_every=1,
-                         save_every=100, resume=resume)
-    run, _ = resolve(config)
-    accelerator, batch = build_accelerator(run), run.batch
-    set_seed(0)
-    model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
-    optimizer = build_optimizer(config, model, scaled_lr(config, batch.global_batch_size))
-    scheduler = build_scheduler(config, optimizer, STEPS)
-    loader = DataLoader(examples(), batch_size=2, shuffle=True, collate_fn=collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    progress = Progress()
-    accelerator.register_for_checkpointing(progress, scheduler)
-    checkpointer = Checkpointer(accelerator, run, model)
-    try:
-        checkpointer.resume()
-        metrics = MetricsRecorder(accelerator, output_dir, STEPS, log_every=1, start_step=progress.step)
-        record_step = metrics.record_step
-
-        def record_and_maybe_preempt(**record):
-            record_step(**record)
-            if record["step"] == stop_at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-
-        metrics.record_step = record_and_maybe_preempt
-        loop.train(accelerator, model, optimizer, scheduler, loader, progress=progress, max_steps=STEPS,
-                   max_grad_norm=1.0, metrics=metrics, checkpointer=checkpointer)
-        metrics.close()
-    finally:
-        checkpointer.close()
-    assert progress.step == (stop_at or STEPS)
+    rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([6 + i % 5 for i in range(12)], seed=1))
+    config = TrainConfig(model=str(word_run_model(output_dir / "base_model")), dataset=str(rows), output_dir=str(output_dir),
+                         method="lora", lora_dropout=0.1, micro_batch_size=2, gradient_accumulation_steps=2,
+                         max_steps=STEPS, warmup_steps=2, log_every=1, save_every=100, resume=resume,
+                         max_eval_examples=0, save_final=False)
+    session = setup(*resolve(config))
+    if stop_at is not None:
+        preempt_after(session.optimizer, stop_at)
+    fit(session)
+    assert session.progress.step == (stop_at or STEPS)
     losses = {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
     return [losses[s] for s in sorted(losses)], weights
 
 
@@ -109,8 +81,7 @@ def test_preempted_and_resumed_run_equals_uninterrupted_run(tmp_path, reference,
 def test_resume_with_more_steps_continues_the_lr_schedule_from_where_it_stopped(tmp_path, capsys):
     """4 updates saved at 2, resumed for 8: update 3 keeps the original schedule's LR, and the decay
     then runs smoothly down to the floor (0.1 × peak) at the new end."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"text": f"{i} plus {i % 5} is {i + i % 5}"}) + "\n" for i in range(24)))
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"text": f"{i} plus {i % 5} is {i + i % 5}"} for i in range(24)])
     flags = ["--dataset", str(rows), "--micro-batch-size", "2", "--warmup-steps", "1", "--log-every", "1",
              "--max-eval-examples", "0", "--save-every", "2", "--no-save-final"]
     assert cli.main([*flags, "--max-steps", "4", "--output-dir", str(tmp_path / "first")]) == 0

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 import torch
 from safetensors.torch import load_file
 

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from finetune.plan.gpus import GPUSpec
 from finetune.cli import main as cli_main

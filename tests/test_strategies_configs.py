@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 import yaml
 
 from finetune.config import deepspeed_json

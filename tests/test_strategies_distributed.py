@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 import yaml
 
 from finetune.launch import rehearse

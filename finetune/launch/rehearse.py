@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from finetune.config import deepspeed_json
+from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.config.options import EVERY_OPTION, TrainConfig, base_lr, parse_command, resolve_batch_shape, save_yaml, scaled_lr
 from finetune.errors import FinetuneError
@@ -41,8 +42,7 @@ from finetune.train.accelerator import free_port
 from finetune.config.names import STRATEGIES
 
 # the rehearsal model: small enough for a laptop CPU, big enough for 4 heads and GQA
-SHRUNK = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-          "head_dim": 16, "max_position_embeddings": 512}
+SHRUNK_LAYERS, SHRUNK_HIDDEN, SHRUNK_POSITIONS = 2, 64, 512
 REHEARSAL_VOCAB = 128  # the builtin char-level tokenizer's 100 tokens, rounded up like the `tiny` model
 MAX_REHEARSAL_SEQ_LEN = 64
 REHEARSAL_GLOBAL_BATCH = 8
@@ -82,8 +82,8 @@ class Rehearsal:
 
 
 def shrunk_model_config(config: TrainConfig):
-    """The model's own Hugging Face config with the size fields replaced by SHRUNK, and the builtin
-    tokenizer it is paired with.
+    """The model's own Hugging Face config shrunk (`catalog.shrink`) to SHRUNK_LAYERS layers of width
+    SHRUNK_HIDDEN, and the builtin tokenizer it is paired with.
 
     Raises FinetuneError when the config cannot be read (an uncached Hub id offline) or is not a
     decoder config with the usual size fields.
@@ -108,16 +108,9 @@ def shrunk_model_config(config: TrainConfig):
     if missing:
         raise FinetuneError(f"rehearse: the config of '{source}' has no {', '.join(missing)}; "
                             "only decoder configs with the usual size fields can be shrunk")
-    layers, heads = original["num_hidden_layers"], original["num_attention_heads"]
-    kv_heads = original.get("num_key_value_heads") or heads
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)
-    # per-layer lists (e.g. Qwen2's layer_types) keep their first layers
-    shrunk = {key: value[: SHRUNK["num_hidden_layers"]] if isinstance(value, list) and len(value) == layers else value
-              for key, value in original.items()}
-    shrunk |= SHRUNK | {
-        # keep multi-head vs grouped-query attention: the same ratio of query to key/value heads, at least 1
-        "num_key_value_heads": max(1, SHRUNK["num_attention_heads"] * kv_heads // heads),
-        "vocab_size": REHEARSAL_VOCAB,
+    shrunk = catalog.shrink(original, SHRUNK_LAYERS, SHRUNK_HIDDEN) | {
+        "max_position_embeddings": SHRUNK_POSITIONS, "vocab_size": REHEARSAL_VOCAB,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }

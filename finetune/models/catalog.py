@@ -248,3 +248,21 @@ def read_local_config(path: Path, accepted: str) -> dict:
             f"--model {path}: {file.name} is not a model config.json (no \"model_type\"). Expected {accepted}."
         )
     return config
+
+
+def shrink(config: dict, layers: int, hidden: int, heads: int = 4) -> dict:
+    """A Hugging Face config dict of the same architecture, made tiny: `layers` decoder layers of width
+    `hidden`, `heads` query heads of hidden / heads each, an MLP twice as wide, and the same multi-head
+    or grouped-query ratio (at least one key/value head). Per-layer lists (Qwen2's `layer_types`) keep
+    their first layers; every other field (model type, biases, rope, vocabulary) stays.
+
+    Rehearsals and tests shrink real entries this way, so the same classes, FSDP wrap policies and
+    LoRA targets run on a CPU in seconds.
+    """
+    original_layers, original_heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or original_heads
+    shrunk = {key: value[:layers] if isinstance(value, list) and len(value) == original_layers else value
+              for key, value in config.items()}
+    return shrunk | {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                     "num_attention_heads": heads, "head_dim": hidden // heads,
+                     "num_key_value_heads": max(1, heads * kv_heads // original_heads)}

@@ -160,11 +160,11 @@ def build_skeleton(run: ResolvedRun):
     model = prepare_for_training(model, run.config)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        _give_fake_storage(model)
+        give_fake_storage(model)
     return model, fake_mode
 
 
-def _give_fake_storage(model: torch.nn.Module) -> None:
+def give_fake_storage(model: torch.nn.Module) -> None:
     """Swap every meta parameter and buffer for a fake CPU tensor of the same shape and dtype; tied
     weights stay tied. A 4-bit weight becomes what bitsandbytes' quantization allocates for it: the
     packed weight, and its quantization state (absmax, nested absmax and code tables) as buffers."""

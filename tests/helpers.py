@@ -1,0 +1,147 @@
+"""Plain helpers the tests share (fixtures are in conftest.py): tiny models shrunk from catalog entries,
+test tokenizers, JSONL rows, and tiny runs built by `train.setup` and stepped through the real loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide singletons, so the next Accelerator is built from scratch
+    (as in a new process)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
+    """The catalog entry `name` shrunk to 2 layers of width 32 (same class, same module names), seeded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.models.catalog import get, shrink
+
+    config = shrink(get(name).to_hf_config_dict(), layers, hidden) | {"vocab_size": vocab_size}
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+
+
+def word_tokenizer():
+    """A 64-word word-level tokenizer (w1 … w61, then pad and EOS), so checkpoints carry tokenizer
+    files like real runs and text rows of words encode to one id a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0} | {f"w{i}": i for i in range(1, 62)} | {"<pad>": 62, "</s>": 63}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def word_rows(lengths: list[int], seed: int = 0) -> list[dict]:
+    """One text row of seeded random words (w1 … w61) per length: `word_tokenizer` encodes each word as
+    one token and adds EOS, so a row of n words trains on n target tokens."""
+    import random
+
+    draw = random.Random(seed)
+    return [{"text": " ".join(f"w{draw.randint(1, 61)}" for _ in range(n))} for n in lengths]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+BPE_TEXT = ["The capital of France is Paris.", "What is the capital of France?", "Sort digits: 1291 gives 1129.",
+            "Multiply 8*5 and answer 40.", "A tiny byte-level tokenizer, trained on a few sentences for tests."]
+
+
+def bpe_tokenizer():
+    """A byte-level BPE tokenizer (the kind Llama 3, SmolLM and Qwen ship) trained on a few sentences,
+    with ChatML special tokens and chat template: 300 tokens, the last three special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=297, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(BPE_TEXT, trainer)
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHATML)
+
+
+def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
+    """A tiny random-init Llama (hidden 32, so every matrix fits Q8_0's 32-value blocks) with the BPE
+    tokenizer, saved as a Hugging Face folder; its embedding has 20 rows more than the tokenizer's
+    300 tokens, as padded vocabularies do. q and k are scaled up (×8) so attention is far from uniform: with
+    init-sized weights a wrong rotary layout would hardly show in the logits."""
+    import torch
+
+    model = tiny_model(seed=0, vocab_size=vocab_size)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(folder)
+    bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# 61 train rows (3 held out for eval): 3 full micro-batches of 16, then one of 13, an epoch;
+# a row of 7 words and EOS has 7 target tokens (every token after the first)
+WORD_RUN_ROWS, WORD_RUN_WORDS = 64, 7
+
+
+def word_run_model(folder: Path) -> Path:
+    """`folder` holding the tiny Llama (seed 0) and the word tokenizer, as a pretrained model would be."""
+    if not folder.is_dir():
+        tiny_model(seed=0).save_pretrained(folder)
+        word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def build_word_run(output_dir: Path, method: str = "full", **flags):
+    """`train.setup` of a tiny run: the model in `<output_dir>/base_model`, WORD_RUN_ROWS rows of
+    WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed when
+    `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
+    from finetune.config.options import TrainConfig
+    from finetune.train.run import resolve, setup
+
+    rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([WORD_RUN_WORDS] * WORD_RUN_ROWS))
+    defaults = {"model": str(word_run_model(output_dir / "base_model")), "dataset": str(rows), "max_eval_examples": 0,
+                "lr": 1e-3, "lora_r": 4, "lora_alpha": 8}
+    return setup(*resolve(TrainConfig(output_dir=str(output_dir), method=method, **defaults | flags)))
+
+
+class LossLog:
+    """Stands in for MetricsRecorder in the loop: keeps each update's loss."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def record_step(self, *, loss: float, **_) -> None:
+        self.losses.append(loss)
+
+
+def train_steps(session, n: int, save: bool = True) -> list[float]:
+    """n more updates of `session` through `loop.train`; returns their losses. With `save`, the loop
+    has the checkpointer (saves every --save-every, RNG restored after a resume); without, no save."""
+    from finetune.train import loop
+
+    log = LossLog()
+    loop.train(session.accelerator, session.model, session.optimizer, session.scheduler, session.train_loader,
+               progress=session.progress, max_steps=session.progress.step + n, max_grad_norm=session.config.max_grad_norm,
+               metrics=log, checkpointer=session.checkpointer if save else None)
+    return log.losses
+
+
+def weights(session) -> dict:
+    return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
