@@ -19,7 +19,8 @@ def reset_accelerate() -> None:
 
 
 def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
-    """The catalog entry `name` shrunk to 2 layers of width 32 (same class, same module names), seeded."""
+    """The catalog entry `name` shrunk by `catalog.shrink` (2 layers of width 32 unless asked otherwise;
+    same class, same module names), seeded: rehearse shrinks real models the same way."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
