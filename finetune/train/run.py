@@ -92,7 +92,7 @@ class Session:
 
     @property
     def max_steps(self) -> int:
-        return self.resolved["max_steps"]
+        return self.run.max_steps
 
     def recorder(self) -> MetricsRecorder:
         """The run's metrics.jsonl writer and progress bar, from the step it is at."""
