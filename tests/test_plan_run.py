@@ -169,6 +169,69 @@ def test_dry_run_prints_the_plan_with_what_the_trainer_builds(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing loaded, nothing written
 
 
+def dry_run_json(*flags: str, env: dict | None = None) -> dict:
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "finetune", "--dry-run", "--json", *flags], capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | (env or {}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("gpu, flags, precision", [
+    ("A100-40GB", ("--model", "llama-7b"), "bf16-true"),  # the README's example: 12.7 GiB of bf16 weights, not fp32
+    ("T4", ("--model", "smollm2-135m"), "fp16-true"),  # no bf16: auto is fp16
+    ("T4", ("--model", "smollm2-135m", "--precision", "fp16-true"), "fp16-true"),  # fp16 needs a GPU: the named one
+])
+def test_dry_run_with_gpu_resolves_every_choice_as_on_that_gpu(gpu, flags, precision):
+    data = dry_run_json(*flags, "--method", "lora", "--gpu", gpu, "--micro-batch-size", "1", "--max-seq-len", "512")
+    only = data["plans"][0]
+    assert data["hardware"]["gpu"] == gpu and only["precision"] == precision
+    sixteen_bit_base, fp32_adapters = data["model"]["params"] * 2, only["trainable_params"] * 4  # not an fp32 base
+    assert only["built_per_gpu_gib"]["weights"] == pytest.approx((sixteen_bit_base + fp32_adapters) / GIB, rel=0.02)
+
+
+def test_dry_run_prints_this_runs_command_and_what_writes_its_files(tmp_path, monkeypatch):
+    """Under a 2-process FSDP2 launch: the launch line carries every flag given, the plan command it
+    names writes the files, and that command line under those files resolves to the dry run's plan."""
+    import shlex
+
+    from finetune.cli import main as cli_main
+    from finetune.config.options import parse_command
+    from finetune.train.dry_run import device_of
+
+    flags = ["--model", "tiny", "--method", "full", "--gpu", "A100-40GB", "--dataset", str(tmp_path / "my data.jsonl"),
+             "--lr", "3e-05", "--max-steps", "7", "--micro-batch-size", "2", "--max-seq-len", "128",
+             "--output-dir", str(tmp_path / "out")]
+    fsdp = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    only = dry_run_json(*flags, env=fsdp)["plans"][0]
+    words = shlex.split(only["launch_command"])
+    assert words[:4] == ["accelerate", "launch", "--config_file", "plan/accelerate.yaml"]
+    command = parse_command(words[words.index("finetune") + 1:])
+    assert command.config == parse_command(flags).config and "--dry-run" not in words
+
+    writer = only["config_files_command"]
+    assert writer.endswith("writes plan/accelerate.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(shlex.split(writer.split("`")[1])[1:]) == 0
+    launch = Launch.from_accelerate_config(str(tmp_path / "plan" / "accelerate.yaml"), 2)
+    run = resolve_run(command.config, launch, device_of(gpus.get("A100-40GB")), command.given)
+    w = from_run(run, gpus.get("A100-40GB"))
+    assert (w.strategy, w.offload, w.precision, w.micro_batch_size) == ("fsdp", only["offload"], only["precision"], 2)
+
+
+def test_dry_run_of_one_process_needs_no_files():
+    import shlex
+
+    from finetune.config.options import parse_command
+
+    flags = ["--model", "tiny", "--gpu", "T4", "--lr", "0.001", "--max-steps", "3"]
+    only = dry_run_json(*flags)["plans"][0]
+    words = shlex.split(only["launch_command"])
+    assert words[0] == "finetune" and parse_command(words[1:]).config == parse_command(flags).config
+    assert only["config_files_command"] is None
+
+
 # ---------------------------------------------------------------- fit check and host RAM
 
 
@@ -193,7 +256,7 @@ def test_host_memory_limits_which_plans_fit_and_which_is_recommended():
                       offload="params")
     plans, best = plan(request)
     assert best is None and not plans[0].fits_host and plans[0].fits_device  # ~1 TB of host RAM on a 288 GiB host
-    assert "of host RAM per node" in plans[0].reasons[1] and "(--host-memory)" in plans[0].reasons[1]
+    assert "of host RAM per node" in plans[0].reasons[0] and "(--host-memory)" in plans[0].reasons[0]
     plans, best = plan(replace(request, host_memory_gib=2048))
     assert best == 0 and plans[0].fits
 

@@ -20,6 +20,7 @@ from finetune.checkpoint.progress import Progress
 from finetune.train import loop
 from finetune.models import loading
 from finetune.train import dry_run
+from finetune.plan import gpus
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.config.options import EVERY_OPTION, Command, TrainConfig, planned_epochs, save_yaml
 from finetune.data import Collator, prepare_data
@@ -31,10 +32,14 @@ from finetune.train.accelerator import build_accelerator
 
 def main(command: Command) -> int:
     """Plan (--dry-run) or train the run `command` describes; cli.train has parsed it."""
-    run, device = resolve(command.config, command.given)
+    if command.dry_run and command.config.gpu:  # plan for the named GPU, not this machine
+        device = dry_run.device_of(gpus.get(command.config.gpu))
+        run = resolve_run(command.config, Launch.from_environment(), device, command.given)
+    else:
+        run, device = resolve(command.config, command.given)
     if command.dry_run:
         if run.launch.rank == 0:
-            print(dry_run.dry_run_report(run, device, command.json))
+            print(dry_run.dry_run_report(run, device, command.json, command.given))
         return 0
     train(run, device)
     return 0
