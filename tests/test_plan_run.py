@@ -250,6 +250,26 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
     assert "GiB of host RAM per node" in host
 
 
+@pytest.mark.parametrize("name, memory_gib, expected", [
+    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),  # a CUDA device name: the catalog's name for it
+    ("Acme Tensor Card 80", 79.6, "A100-80GB"),  # not in the catalog: a catalog GPU of its size
+])
+def test_fit_check_suggests_a_plan_command_that_runs_when_pasted(name, memory_gib, expected, capsys):
+    import shlex
+
+    from finetune.cli import main as cli_main
+    from finetune.train.dry_run import FitError, check_fit
+
+    device = Device(cuda=True, name=name, bf16=True, free_bytes=2**30, total_bytes=int(memory_gib * GIB))
+    run = resolve_run(TrainConfig(model="llama-7b", method="lora"), Launch(), device)
+    with pytest.raises(FitError) as stopped:
+        check_fit(run, device)
+    words = shlex.split(str(stopped.value).split("`")[1])
+    assert words[:2] == ["finetune", "plan"] and words[words.index("--gpus") + 1] == f"1x{expected}"
+    assert cli_main(words[1:]) == 0
+    assert f"on 1× {expected}" in capsys.readouterr().out
+
+
 def test_host_memory_limits_which_plans_fit_and_which_is_recommended():
     llama70 = catalog.get("llama-2-70b")
     request = Request(model=llama70, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="full", strategy="fsdp",

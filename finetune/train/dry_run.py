@@ -223,8 +223,8 @@ def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_fre
     if w.method != "qlora":
         fixes.append("--method qlora" if w.method == "lora" else "--method lora or qlora")
     fixes.append("another strategy or offload")
-    query = f"finetune plan --model {w.model.name} --gpus {w.gpus_per_node}x{w.gpu.name}" + (
-        f" --nodes {w.nodes}" if w.nodes > 1 else "")
+    query = shlex.join(["finetune", "plan", "--model", w.model.name, "--gpus", f"{w.gpus_per_node}x{w.gpu.name}",
+                        *(["--nodes", str(w.nodes)] if w.nodes > 1 else [])])
     return ("This run will not fit: " + "; ".join(problems) + ".\nTry " + ", ".join(fixes)
             + f"; `{query}` shows what fits. --no-fit-check runs it anyway.")
 
@@ -234,11 +234,20 @@ def check_fit(run: ResolvedRun, device: Device) -> None:
     host's available RAM. Runs whose architecture the planner cannot read are not checked."""
     if run.spec is None:
         return
-    gpu = GPUSpec(device.name or "GPU", (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
+    gpu = GPUSpec(catalog_name(device), (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
     workload = from_run(run, gpu)
     problem = fit_problem(workload, estimate(workload), device.free_bytes or 0, host_available_bytes())
     if problem:
         raise FitError(problem)
+
+
+def catalog_name(device: Device) -> str:
+    """How `finetune plan --gpus` names this device: its catalog entry ('NVIDIA A100-SXM4-40GB' →
+    A100-40GB), else a catalog GPU of the same memory size, else the device's own name."""
+    memory_gib = (device.total_bytes or 0) / GIB
+    found = gpu_catalog.identify(device.name, memory_gib) if device.name else None
+    alike = gpu_catalog.same_size(memory_gib)
+    return found.name if found else alike[0] if alike else device.name or "GPU"
 
 
 def _largest_terms(memory) -> list[str]:
