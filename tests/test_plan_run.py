@@ -407,3 +407,16 @@ def test_dry_run_of_the_printed_launch_command_reports_the_planned_memory(tmp_pa
         assert only["memory_per_gpu_gib"][term] == best["memory_per_gpu_gib"][term], term
     for term in TERMS:
         assert only["built_per_gpu_gib"][term] == pytest.approx(best["memory_per_gpu_gib"][term], rel=0.02, abs=0.001)
+
+
+def test_a_plan_failing_only_on_host_ram_names_host_ram_with_both_numbers():
+    args = ("--model", "llama-2-70b", "--gpus", "2xA100-40GB", "--method", "full", "--strategy", "fsdp", "--offload", "params")
+    data = json.loads(plan_cli(*args, "--json").stdout)
+    only, limit = data["plans"][0], data["hardware"]["host_memory_gib_per_node"]
+    assert only["fits_device"] and not only["fits_host"] and only["host_memory_gib"] > limit
+    text = plan_cli(*args).stdout
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("full"))
+    assert "NO (host RAM)" in row
+    closest = text.split("Closest:")[1].splitlines()[1]
+    assert f"needs {only['host_memory_gib']:.0f} GiB of host RAM per node" in closest and f"> {limit:.0f} GiB available" in closest
+    assert "fits:" not in closest and "per node" in text.split("Closest:")[1].splitlines()[2]  # the advice is about host RAM
