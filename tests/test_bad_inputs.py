@@ -365,6 +365,21 @@ CASES = [
          marks=SLOW),
     case("fresh-run-into-output-dir-with-checkpoints", f"{SHORT} --output-dir run", "already holds checkpoints",
          "--resume auto", marks=SLOW),
+
+    # ---------------------------------------------------------------- dry run, export flags, doctor
+    case("dry-run-unknown-gpu", "--dry-run --model tiny --gpu Z100", "Unknown GPU 'Z100'", "Catalog:", marks=SLOW),
+    case("export-gguf-type-without-gguf", "export d --out x --gguf-type q8_0", "--gguf-type: only --format gguf uses it",
+         "add --format gguf", files={"d/notes.txt": "hi"}, marks=SLOW),
+    case("export-safetensors-flags-with-gguf", "export d --out x --format gguf --dtype bf16 --max-shard-size 1GB",
+         "--dtype, --max-shard-size: not used by --format gguf", files={"d/notes.txt": "hi"}, marks=SLOW),
+    case("doctor-malformed-default-accelerate-config", "doctor --no-bandwidth", "default_config.yaml is not valid YAML",
+         "`accelerate config` writes a new one", files={"hf/accelerate/default_config.yaml": "num_processes: [2\n"},
+         env={"HF_HOME": "hf"}, marks=SLOW),
+    case("doctor-default-config-all-processes", "doctor --no-bandwidth", "num_processes: 'all' is not a whole number",
+         files={"hf/accelerate/default_config.yaml": "num_processes: all\n"}, env={"HF_HOME": "hf"}, marks=SLOW),
+    case("doctor-unwritable-hf-home", "doctor --no-bandwidth", "HF_HOME afile/hf", "afile is a file, not a directory",
+         "point HF_HOME at a directory you can write", files={"afile": "in the way"}, env={"HF_HOME": "afile/hf"},
+         marks=SLOW),
 ]
 
 

@@ -118,6 +118,46 @@ def test_default_accelerate_config_is_described_and_checked():
     assert none.status == "info" and "starts one process" in none.detail
 
 
+def doctor_cli(tmp_path, *args: str, env: dict | None = None) -> tuple[int, dict, str]:
+    """`finetune doctor --json` as a subprocess with HF_HOME (and the caches) in tmp_path unless `env` says otherwise."""
+    home = {"HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "finetune", "doctor", "--json", "--no-bandwidth", *args],
+                          capture_output=True, text=True, timeout=300, env=os.environ | home | (env or {}))
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+@pytest.mark.parametrize("text, words", [
+    ("num_processes: [2\n", "is not valid YAML at line 2"),
+    ("num_processes: all\ndistributed_type: MULTI_GPU\n", "num_processes: 'all' is not a whole number"),
+    ("- MULTI_GPU\n", "holds a list, not a mapping"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\n", "start 8 process(es) as MULTI_GPU on 1 machine(s), mixed_precision no, "
+     "but no GPU is visible here"),
+])
+def test_a_default_accelerate_config_that_cannot_run_here_fails_with_its_fix(tmp_path, text, words):
+    (tmp_path / "hf" / "accelerate").mkdir(parents=True)
+    (tmp_path / "hf" / "accelerate" / "default_config.yaml").write_text(text)
+    code, report, _ = doctor_cli(tmp_path, "--output-dir", str(tmp_path / "out"))
+    (finding,) = [f for f in report["findings"] if f["check"] == "accelerate config"]
+    assert code == 1 and not report["ok"] and finding["status"] == "fail"
+    assert words in finding["detail"] and str(tmp_path / "hf") in finding["detail"] and finding["fix"]
+
+
+def test_directories_a_run_writes_must_be_writable(tmp_path):
+    (tmp_path / "a-file").write_text("in the way")
+    blocked = tmp_path / "a-file"
+    code, report, _ = doctor_cli(tmp_path, "--output-dir", str(blocked / "out"), env={"HF_HOME": str(blocked / "hf")})
+    failed = {f["detail"].split(" /")[0]: f for f in report["findings"] if f["check"] == "writable"}
+    assert code == 1 and set(failed) == {"--output-dir", "HF_HOME", "datasets cache"}
+    assert all(f["status"] == "fail" and f"{blocked} is a file, not a directory" in f["detail"] for f in failed.values())
+    assert "point HF_HOME at a directory you can write" in failed["HF_HOME"]["fix"]
+
+    code, report, _ = doctor_cli(tmp_path, "--output-dir", str(tmp_path / "new" / "out"))
+    (ok,) = [f for f in report["findings"] if f["check"] == "writable"]
+    assert code == 0 and ok["status"] == "ok" and str(tmp_path / "hf") in ok["detail"]
+    assert not (tmp_path / "new").exists()  # checked by trying, then cleaned up
+
+
 def test_ranks_must_agree_on_packages_and_gpus():
     same = [machine(rank=r, local_rank=r) for r in range(2)]
     assert statuses(checks.check_ranks(same), "ranks") == ["ok"]

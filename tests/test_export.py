@@ -135,3 +135,34 @@ def test_max_shard_size_reads_like_save_pretrained():
     assert (parse_size("5GB"), parse_size("500MB"), parse_size("2GiB"), parse_size("1234")) == (5 * 10**9, 5 * 10**8, 2 * 2**30, 1234)
     with pytest.raises(CheckpointError, match="--max-shard-size '5 gigs'"):
         parse_size("5 gigs")
+
+
+def export_cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "finetune", "export", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--gguf-type", "q8_0"), "--gguf-type: only --format gguf uses it"),  # used to write safetensors and exit 0
+    (("--format", "gguf", "--dtype", "bf16"), "--dtype: not used by --format gguf"),
+    (("--format", "gguf", "--merge-lora", "--max-shard-size", "1GB"), "--merge-lora, --max-shard-size: not used by --format gguf"),
+])
+def test_export_flags_that_cannot_apply_are_one_line_errors(tmp_path, flags, named):
+    done = export_cli(str(tmp_path / "run"), "--out", str(tmp_path / "e"), *flags)
+    assert done.returncode == 2 and done.stderr.startswith(f"finetune export: error: {named}")
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "e").exists()
+
+
+def test_lora_adapter_export_refuses_dtype_and_merge_is_quiet(make_run, tmp_path):
+    run = make_run(method="lora", save_every=2)
+    run.train_steps(2)
+    done = export_cli(str(tmp_path / "out"), "--out", str(tmp_path / "a"), "--dtype", "bf16")
+    assert done.returncode == 2 and "--dtype: not used for a lora adapter export" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+
+    done = export_cli(str(tmp_path / "out"), "--out", str(tmp_path / "m"), "--merge-lora", "--dtype", "bf16")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Loading weights" not in done.stderr and done.stderr.count("\r") == 0  # no progress bar without --verbose
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -169,6 +169,69 @@ def test_dry_run_prints_the_plan_with_what_the_trainer_builds(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing loaded, nothing written
 
 
+def dry_run_json(*flags: str, env: dict | None = None) -> dict:
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "finetune", "--dry-run", "--json", *flags], capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | (env or {}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("gpu, flags, precision", [
+    ("A100-40GB", ("--model", "llama-7b"), "bf16-true"),  # the README's example: 12.7 GiB of bf16 weights, not fp32
+    ("T4", ("--model", "smollm2-135m"), "fp16-true"),  # no bf16: auto is fp16
+    ("T4", ("--model", "smollm2-135m", "--precision", "fp16-true"), "fp16-true"),  # fp16 needs a GPU: the named one
+])
+def test_dry_run_with_gpu_resolves_every_choice_as_on_that_gpu(gpu, flags, precision):
+    data = dry_run_json(*flags, "--method", "lora", "--gpu", gpu, "--micro-batch-size", "1", "--max-seq-len", "512")
+    only = data["plans"][0]
+    assert data["hardware"]["gpu"] == gpu and only["precision"] == precision
+    sixteen_bit_base, fp32_adapters = data["model"]["params"] * 2, only["trainable_params"] * 4  # not an fp32 base
+    assert only["built_per_gpu_gib"]["weights"] == pytest.approx((sixteen_bit_base + fp32_adapters) / GIB, rel=0.02)
+
+
+def test_dry_run_prints_this_runs_command_and_what_writes_its_files(tmp_path, monkeypatch):
+    """Under a 2-process FSDP2 launch: the launch line carries every flag given, the plan command it
+    names writes the files, and that command line under those files resolves to the dry run's plan."""
+    import shlex
+
+    from finetune.cli import main as cli_main
+    from finetune.config.options import parse_command
+    from finetune.train.dry_run import device_of
+
+    flags = ["--model", "tiny", "--method", "full", "--gpu", "A100-40GB", "--dataset", str(tmp_path / "my data.jsonl"),
+             "--lr", "3e-05", "--max-steps", "7", "--micro-batch-size", "2", "--max-seq-len", "128",
+             "--output-dir", str(tmp_path / "out")]
+    fsdp = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    only = dry_run_json(*flags, env=fsdp)["plans"][0]
+    words = shlex.split(only["launch_command"])
+    assert words[:4] == ["accelerate", "launch", "--config_file", "plan/accelerate.yaml"]
+    command = parse_command(words[words.index("finetune") + 1:])
+    assert command.config == parse_command(flags).config and "--dry-run" not in words
+
+    writer = only["config_files_command"]
+    assert writer.endswith("writes plan/accelerate.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(shlex.split(writer.split("`")[1])[1:]) == 0
+    launch = Launch.from_accelerate_config(str(tmp_path / "plan" / "accelerate.yaml"), 2)
+    run = resolve_run(command.config, launch, device_of(gpus.get("A100-40GB")), command.given)
+    w = from_run(run, gpus.get("A100-40GB"))
+    assert (w.strategy, w.offload, w.precision, w.micro_batch_size) == ("fsdp", only["offload"], only["precision"], 2)
+
+
+def test_dry_run_of_one_process_needs_no_files():
+    import shlex
+
+    from finetune.config.options import parse_command
+
+    flags = ["--model", "tiny", "--gpu", "T4", "--lr", "0.001", "--max-steps", "3"]
+    only = dry_run_json(*flags)["plans"][0]
+    words = shlex.split(only["launch_command"])
+    assert words[0] == "finetune" and parse_command(words[1:]).config == parse_command(flags).config
+    assert only["config_files_command"] is None
+
+
 # ---------------------------------------------------------------- fit check and host RAM
 
 
@@ -187,13 +250,33 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
     assert "GiB of host RAM per node" in host
 
 
+@pytest.mark.parametrize("name, memory_gib, expected", [
+    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),  # a CUDA device name: the catalog's name for it
+    ("Acme Tensor Card 80", 79.6, "A100-80GB"),  # not in the catalog: a catalog GPU of its size
+])
+def test_fit_check_suggests_a_plan_command_that_runs_when_pasted(name, memory_gib, expected, capsys):
+    import shlex
+
+    from finetune.cli import main as cli_main
+    from finetune.train.dry_run import FitError, check_fit
+
+    device = Device(cuda=True, name=name, bf16=True, free_bytes=2**30, total_bytes=int(memory_gib * GIB))
+    run = resolve_run(TrainConfig(model="llama-7b", method="lora"), Launch(), device)
+    with pytest.raises(FitError) as stopped:
+        check_fit(run, device)
+    words = shlex.split(str(stopped.value).split("`")[1])
+    assert words[:2] == ["finetune", "plan"] and words[words.index("--gpus") + 1] == f"1x{expected}"
+    assert cli_main(words[1:]) == 0
+    assert f"on 1× {expected}" in capsys.readouterr().out
+
+
 def test_host_memory_limits_which_plans_fit_and_which_is_recommended():
     llama70 = catalog.get("llama-2-70b")
     request = Request(model=llama70, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="full", strategy="fsdp",
                       offload="params")
     plans, best = plan(request)
     assert best is None and not plans[0].fits_host and plans[0].fits_device  # ~1 TB of host RAM on a 288 GiB host
-    assert "of host RAM per node" in plans[0].reasons[1] and "(--host-memory)" in plans[0].reasons[1]
+    assert "of host RAM per node" in plans[0].reasons[0] and "(--host-memory)" in plans[0].reasons[0]
     plans, best = plan(replace(request, host_memory_gib=2048))
     assert best == 0 and plans[0].fits
 
@@ -324,3 +407,16 @@ def test_dry_run_of_the_printed_launch_command_reports_the_planned_memory(tmp_pa
         assert only["memory_per_gpu_gib"][term] == best["memory_per_gpu_gib"][term], term
     for term in TERMS:
         assert only["built_per_gpu_gib"][term] == pytest.approx(best["memory_per_gpu_gib"][term], rel=0.02, abs=0.001)
+
+
+def test_a_plan_failing_only_on_host_ram_names_host_ram_with_both_numbers():
+    args = ("--model", "llama-2-70b", "--gpus", "2xA100-40GB", "--method", "full", "--strategy", "fsdp", "--offload", "params")
+    data = json.loads(plan_cli(*args, "--json").stdout)
+    only, limit = data["plans"][0], data["hardware"]["host_memory_gib_per_node"]
+    assert only["fits_device"] and not only["fits_host"] and only["host_memory_gib"] > limit
+    text = plan_cli(*args).stdout
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("full"))
+    assert "NO (host RAM)" in row
+    closest = text.split("Closest:")[1].splitlines()[1]
+    assert f"needs {only['host_memory_gib']:.0f} GiB of host RAM per node" in closest and f"> {limit:.0f} GiB available" in closest
+    assert "fits:" not in closest and "per node" in text.split("Closest:")[1].splitlines()[2]  # the advice is about host RAM

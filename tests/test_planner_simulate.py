@@ -61,5 +61,26 @@ def test_simulate_refuses_what_cannot_run_on_fake_tensors(tmp_path):
         simulate(resolve_run(TrainConfig(model=model, method="qlora"), Launch(), H100))
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(FinetuneError, match="not ZeRO-3"):
+    with pytest.raises(FinetuneError, match="checks full and LoRA .* not ZeRO-3"):
         simulate(resolve_run(TrainConfig(model=model, deepspeed=str(zero3)), Launch(world_size=2), H100))
+
+
+def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_path):
+    """A recommended ZeRO-2 or QLoRA plan is outside what --simulate runs: the output names what it
+    checks, then simulates the best-ranked plan it can run (or says that none is one)."""
+    from finetune.models.source import resolve_model
+    from finetune.plan.choose import Request, plan
+    from finetune.plan.command import simulation_text
+
+    spec = resolve_model(shrunk_model(tmp_path / "model", "llama-7b", 2))
+    plans, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", offload="none", seq_len=512))
+    by_strategy = {p.workload.strategy: p for p in plans}
+    text = simulation_text([by_strategy["zero2"], by_strategy["ddp"], by_strategy["fsdp"]], 0)
+    assert text.startswith("--simulate checks full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without "
+                           "offload; the recommended plan is ZeRO-2 (DDP's reducer and the DeepSpeed engine are not simulated).")
+    assert "Simulating the best plan it checks instead: lora FSDP2." in text
+    assert "Simulated two micro-steps of this run on fake tensors (lora, FSDP2, 2 rank(s)" in text
+
+    qlora, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=1, method="qlora", seq_len=512))
+    assert simulation_text(qlora, None).endswith("the closest plan is QLoRA (bitsandbytes' 4-bit kernels do not run on "
+                                                 "fake tensors). None of these plans is one it checks: nothing simulated.")

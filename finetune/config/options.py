@@ -334,6 +334,21 @@ def parse_command(argv: list[str] | None) -> Command:
     return Command(config, **modes, given=frozenset(key for key, value in values.items() if value is not None))
 
 
+def command_line(config: TrainConfig, given: frozenset[str]) -> list[str]:
+    """The flags that make `parse_command` give `config` back for the options in `given` (those the
+    user set, by flag or --config YAML): a run's own command line, without the YAML it may have read."""
+    words = []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if f.name not in given or value is None:
+            continue
+        if isinstance(value, bool):
+            words.append(f"--{'' if value else 'no-'}{_flag(f.name)}")
+        else:
+            words += [f"--{_flag(f.name)}", str(value)]
+    return words
+
+
 def parse_config(argv: list[str] | None) -> TrainConfig:
     return parse_command(argv).config
 

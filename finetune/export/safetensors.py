@@ -42,6 +42,8 @@ from finetune.config.names import PRECISIONS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_DTYPES = {v: k for k, v in TORCH_DTYPE_NAMES.items()}
+# the largest safetensors file when --max-shard-size is not given
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -214,16 +216,22 @@ def new_out_dir(out: str | Path) -> Path:
 
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, dtype: str | None = None,
-           max_shard_size: str = "5GB") -> Path:
-    """Export what `find_trained(source)` finds to `out`.
+           max_shard_size: str | None = None) -> Path:
+    """Export what `find_trained(source)` finds to `out` (`max_shard_size` None: DEFAULT_MAX_SHARD_SIZE).
 
-    Returns `out`. Raises CheckpointError for incomplete/unsafe checkpoints, a non-empty `out`, or
-    `--merge-lora` on full fine-tuning.
+    Returns `out`. Raises CheckpointError for incomplete/unsafe checkpoints, a non-empty `out`,
+    `--merge-lora` on full fine-tuning, or --dtype / --max-shard-size on an adapter export (which
+    writes the adapter as trained, in one file).
     """
     trained = find_trained(source)
     out = new_out_dir(out)
     if merge_lora and trained.method == "full":
         raise CheckpointError(f"--merge-lora: {trained.path} is full fine-tuning; there is no adapter to merge.")
+    unused = [flag for flag, value in (("--dtype", dtype), ("--max-shard-size", max_shard_size)) if value is not None]
+    if trained.method != "full" and not merge_lora and unused:
+        raise CheckpointError(f"{', '.join(unused)}: not used for a {trained.method} adapter export, which writes the "
+                              "adapter as trained in one file; add --merge-lora to write a merged model with them.")
+    max_shard_size = max_shard_size or DEFAULT_MAX_SHARD_SIZE
     if trained.is_checkpoint:
         unsafe = unsafe_pickle_globals(trained.path)
         if unsafe:

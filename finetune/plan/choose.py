@@ -239,8 +239,13 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
     capacity = w.gpu.memory_gib
     label = describe(w)
     reasons = []
+    host = (f"{p.host_gib:.0f} GiB of host RAM per node ({m.host_offload / GIB:.0f} offload, "
+            f"{m.host_loading / GIB:.0f} while loading)")
+    if not p.fits_host:  # failures first: "Closest" and "why others lose" quote the first reasons
+        reasons.append(f"{label}: needs {host} > {p.host_limit_gib:.0f} GiB available (--host-memory)")
     if p.fits_device:
-        reasons.append(f"fits: {p.device_gib:.1f} of {capacity:.1f} GiB per GPU, peak in the {m.peak_phase}")
+        fits = "GPU memory fits" if not p.fits_host else "fits"
+        reasons.append(f"{fits}: {p.device_gib:.1f} of {capacity:.1f} GiB per GPU, peak in the {m.peak_phase}")
     else:
         terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states": m.optimizer,
                  "activations": m.activations, "buffers": m.buffers}
@@ -250,11 +255,7 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         else:
             reasons.append(f"{label}: needs {p.device_gib:.1f} GiB per GPU > {capacity:.1f} GiB even at micro batch 1"
                            + (" with checkpointing" if w.gradient_checkpointing else ""))
-    host = (f"{p.host_gib:.0f} GiB of host RAM per node ({m.host_offload / GIB:.0f} offload, "
-            f"{m.host_loading / GIB:.0f} while loading)")
-    if not p.fits_host:
-        reasons.append(f"{label}: needs {host} > {p.host_limit_gib:.0f} GiB (--host-memory)")
-    elif w.offload != "none":
+    if p.fits_host and w.offload != "none":
         reasons.append(f"offload: {host}, PCIe copies every step")
     if p.speed.comm_bound:
         reasons.append(

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-config", metavar="DIR", help="write the recommended plan's accelerate YAML (and DeepSpeed JSON)")
     parser.add_argument("--simulate", action="store_true",
                         help="also run the recommended plan's launch command for two steps on fake tensors, through the "
-                        "trainer's own model and optimizer construction, and compare memory (needs torch)")
+                        "trainer's own model and optimizer construction, and compare memory (needs torch). Checks full "
+                        "and LoRA with AdamW on one GPU or FSDP2 without offload; for other plans it simulates the "
+                        "best-ranked plan it checks and says so")
     return parser
 
 
@@ -124,8 +126,7 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
     if args.simulate:
-        chosen = plans[recommended] if recommended is not None else plans[0]
-        note(simulation_text(chosen))
+        note(simulation_text(plans, recommended))
     return 0
 
 
@@ -134,17 +135,28 @@ def note(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def simulation_text(chosen) -> str:
-    """Two fake-tensor steps of the plan's launch command, built as the trainer builds it."""
+def simulation_text(plans: list, recommended: int | None) -> str:
+    """Two fake-tensor steps of the recommended (else closest) plan's launch command, built as the
+    trainer builds it; when --simulate cannot run that plan, of the best-ranked plan it can, saying so."""
     import tempfile
 
+    from finetune.plan.choose import describe
     from finetune.train import simulate
     from finetune.train.dry_run import run_of_plan  # imports torch
 
+    asked = plans[recommended if recommended is not None else 0]
+    reason = simulate.cannot_simulate(asked.workload)
+    chosen = asked if reason is None else next((p for p in plans if simulate.cannot_simulate(p.workload) is None), None)
+    which = "recommended" if recommended is not None else "closest"
+    heading = "" if reason is None else f"--simulate checks {simulate.CHECKS}; the {which} plan is {reason}."
+    if chosen is None:
+        return f"{heading} None of these plans is one it checks: nothing simulated."
+    if heading:
+        heading += f" Simulating the best plan it checks instead: {describe(chosen.workload)}.\n"
     with tempfile.TemporaryDirectory(prefix="finetune-simulate-") as workdir:
         write_configs(chosen, workdir)
         run = run_of_plan(chosen, workdir, workdir)
-        return simulate.compare_text(run, chosen.workload)
+        return heading + simulate.compare_text(run, chosen.workload)
 
 
 def _what_fits(requests: list[Request], args: argparse.Namespace) -> int:

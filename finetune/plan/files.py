@@ -118,14 +118,28 @@ def train_flags(w: Workload) -> list[str]:
     return flags
 
 
-def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
-    """`accelerate launch --config_file DIR/accelerate.yaml [multi-node flags] -m finetune FLAGS`."""
+def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR, flags: list[str] | None = None) -> str:
+    """`accelerate launch --config_file DIR/accelerate.yaml [multi-node flags] -m finetune FLAGS`
+    (FLAGS: the plan's `train_flags`, or a run's own `flags`)."""
     w = plan.workload
     words = ["accelerate", "launch", "--config_file", f"{config_dir}/{ACCELERATE_FILE}"]
     if w.nodes > 1:
         words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", str(MAIN_PROCESS_PORT)]
-    words += ["-m", "finetune", *train_flags(w)]
+    words += ["-m", "finetune", *(train_flags(w) if flags is None else flags)]
     return " ".join(word if word.startswith("$") else shlex.quote(word) for word in words)
+
+
+def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
+    """The `finetune plan ... --write-config DIR` that pins every choice of `w` (`model` as the run
+    names it), so the files it writes are the ones `w`'s launch command names."""
+    words = ["finetune", "plan", "--model", model, "--gpus", f"{w.gpus_per_node}x{w.gpu.name}", "--nodes", str(w.nodes),
+             "--method", w.method, "--strategy", w.strategy, "--offload", w.offload, "--precision", w.precision,
+             "--optimizer", w.optimizer, "--micro-batch-size", str(w.micro_batch_size),
+             "--gradient-accumulation-steps", str(w.gradient_accumulation_steps), "--seq-len", str(w.seq_len),
+             "--gradient-checkpointing" if w.gradient_checkpointing else "--no-gradient-checkpointing"]
+    if w.method != "full":
+        words += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
+    return shlex.join([*words, "--write-config", config_dir])
 
 
 def write_configs(plan: Plan, directory: str | Path) -> list[Path]:

@@ -67,8 +67,9 @@ def to_json(request: Request, plans: list[Plan], recommended: int | None, config
 
 
 def table(request: Request, plans: list[Plan], recommended: int | None, config_dir: str,
-          heading: str = "Recommended") -> str:
-    """One row per plan, then the recommendation (or `heading`) with its reasons and launch command."""
+          heading: str = "Recommended", launch: str | None = None) -> str:
+    """One row per plan, then the recommendation (or `heading`) with its reasons and launch command
+    (`launch`: what to print instead of the plan's own, e.g. a dry run's command and its files)."""
     spec, gpu = request.model, request.gpu
     world = request.gpus_per_node * request.nodes
     host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
@@ -89,7 +90,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
             "*" if i == recommended else "", w.method, w.strategy_spec.label, w.offload,
             str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
-            f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", "yes" if p.fits else "NO" if not p.fits_device else "NO (host)",
+            f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),
             f"{p.speed.tokens_per_second:,.0f}", f"{hours:.1f}" if hours is not None else "-",
             f"{cost:,.0f}" if cost is not None else "-",
         ))
@@ -99,19 +100,31 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
     lines.append("")
     if recommended is None:
         lines.append(f"Nothing fits on {world}× {gpu.name}. Closest:")
-        lines += [f"  - {reason}" for p in plans[:3] for reason in p.reasons[:1]]
-        lines.append("Try more GPUs, QLoRA, a shorter --seq-len, or offload.")
+        lines += [f"  - {why_not(p)}" for p in plans[:3]]
+        lines.append("Try more hosts (host RAM is per node), less offload, or --host-memory with your hosts' RAM."
+                     if all(p.fits_device for p in plans[:3]) else "Try more GPUs, QLoRA, a shorter --seq-len, or offload.")
         return "\n".join(lines)
     best = plans[recommended]
     lines.append(f"{heading}: {describe(best.workload)}, micro batch {best.workload.micro_batch_size}"
                  + (", gradient checkpointing" if best.workload.gradient_checkpointing else ""))
     lines += [f"  - {reason}" for reason in best.reasons]
-    lines.append(f"  launch: {launch_command(best, config_dir)}")
+    lines.append(f"  launch: {launch or launch_command(best, config_dir)}")
     losers = [p for p in plans if not p.fits]
     if losers:
         lines.append("Why others lose:")
-        lines += [f"  - {p.reasons[0]}" for p in losers]
+        lines += [f"  - {why_not(p)}" for p in losers]
     return "\n".join(lines)
+
+
+def _fits_cell(p: Plan) -> str:
+    """The table's fits column: yes, or NO with the constraints that failed."""
+    failed = [name for name, ok in (("GPU", p.fits_device), ("host RAM", p.fits_host)) if not ok]
+    return "yes" if not failed else f"NO ({', '.join(failed)})"
+
+
+def why_not(p: Plan) -> str:
+    """Every constraint a plan fails, with both numbers (`explain` puts its failures first)."""
+    return "; ".join(p.reasons[: (not p.fits_device) + (not p.fits_host)] or p.reasons[:1])
 
 
 def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> str:

@@ -12,6 +12,7 @@ trainer's construction rather than against a second model of it.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from finetune.plan.gpus import GPUSpec
 from finetune.errors import FinetuneError
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
+from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_DIR, launch_command, plan_command
 from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, estimate, place_states
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload, from_run
+from finetune.config.options import command_line
 from finetune.config.resolve import Device, ResolvedRun
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
@@ -42,6 +45,12 @@ def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
         raise FinetuneError(f"Which GPU should this run be planned for? {seen}: pass --gpu NAME, e.g. --gpu A100-40GB "
                             f"(catalog: {', '.join(gpu_catalog.GPUS)}).")
     return found
+
+
+def device_of(gpu: GPUSpec) -> Device:
+    """The Device a run on `gpu` sees: with `--dry-run --gpu NAME` every choice (precision `auto`,
+    whether bf16 or fp16 can run) resolves as on that GPU rather than on the machine planning it."""
+    return Device(cuda=True, name=gpu.name, bf16=gpu.bf16, total_bytes=int(gpu.memory_gib * GIB))
 
 
 def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
@@ -70,7 +79,7 @@ def run_of_plan(plan: Plan, config_dir: str | Path, output_dir: str | Path) -> R
                     fsdp_offload_params=w.strategy == "fsdp" and w.offload == "params",
                     fsdp_cpu_ram_efficient_loading=w.strategy == "fsdp", deepspeed=w.deepspeed,
                     deepspeed_config_file=str(Path(config_dir) / DEEPSPEED_FILE) if w.deepspeed else None)
-    return resolve_run(config, launch, Device(cuda=True, name=w.gpu.name, bf16=w.gpu.bf16))
+    return resolve_run(config, launch, device_of(w.gpu))
 
 
 @dataclass(frozen=True)
@@ -154,18 +163,39 @@ def built_per_gpu(run: ResolvedRun, workload: Workload) -> Placement:
     return place_states(workload, built_states(run))
 
 
-def dry_run_report(run: ResolvedRun, device: Device, as_json: bool) -> str:
+def run_command(run: ResolvedRun, plan: Plan, given: frozenset[str]) -> tuple[str, str | None]:
+    """This run's launch line (every flag the user gave, less --dry-run and --json) and the command
+    that writes the launcher files it names (None when it needs none: one process, no strategy)."""
+    flags = command_line(run.config, given)
+    w = plan.workload
+    if w.world_size == 1 and w.strategy == "single":
+        return shlex.join(["finetune", *flags]), None
+    files = [f"{DEFAULT_CONFIG_DIR}/{ACCELERATE_FILE}"] + ([f"{DEFAULT_CONFIG_DIR}/{DEEPSPEED_FILE}"] if w.deepspeed else [])
+    writer = f"`{plan_command(w, run.config.model)}` writes {' and '.join(files)}"
+    if run.config.deepspeed:
+        writer += f" (the run reads its DeepSpeed settings from your --deepspeed {run.config.deepspeed})"
+    return launch_command(plan, DEFAULT_CONFIG_DIR, flags), writer
+
+
+def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: frozenset[str] = frozenset()) -> str:
     """`finetune --dry-run`: the plan of this run (the `finetune plan` table or JSON, one plan) with
-    the per-GPU bytes the trainer's construction actually holds beside the planned ones."""
+    the per-GPU bytes the trainer's construction actually holds beside the planned ones, and this
+    run's own launch command (the options in `given`) with the command that writes its files."""
     gpu = gpu_of(run, device)
     request, plan = plan_run(run, gpu)
     built = built_per_gpu(run, plan.workload)
+    command, writer = run_command(run, plan, given)
     if as_json:
-        data = report.to_json(request, [plan], 0 if plan.fits else None, config_dir=".")
+        data = report.to_json(request, [plan], 0 if plan.fits else None, config_dir=DEFAULT_CONFIG_DIR)
+        data["plans"][0].update(launch_command=command, config_files_command=writer)
         data["plans"][0]["built_per_gpu_gib"] = {term: round(getattr(built, term) / GIB, 3) for term in BUILT_TERMS}
         return json.dumps(data, indent=2)
-    lines = [report.table(request, [plan], 0 if plan.fits else None, config_dir=".", heading="This run"), "",
-             "Built by the trainer's own construction (fake tensors, full size), per GPU:",
+    launch = command + (f"\n  files: {writer}" if writer else "")
+    lines = [report.table(request, [plan], 0 if plan.fits else None, config_dir=DEFAULT_CONFIG_DIR, heading="This run",
+                          launch=launch)]
+    if not plan.fits:
+        lines.append(f"  launch: {launch}")
+    lines += ["", "Built by the trainer's own construction (fake tensors, full size), per GPU:",
              f"  {'term':<12} {'built':>9} {'planned':>9}  GiB"]
     for term in BUILT_TERMS:
         lines.append(f"  {term:<12} {getattr(built, term) / GIB:>9.2f} {getattr(plan.memory, term) / GIB:>9.2f}")
@@ -193,8 +223,8 @@ def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_fre
     if w.method != "qlora":
         fixes.append("--method qlora" if w.method == "lora" else "--method lora or qlora")
     fixes.append("another strategy or offload")
-    query = f"finetune plan --model {w.model.name} --gpus {w.gpus_per_node}x{w.gpu.name}" + (
-        f" --nodes {w.nodes}" if w.nodes > 1 else "")
+    query = shlex.join(["finetune", "plan", "--model", w.model.name, "--gpus", f"{w.gpus_per_node}x{w.gpu.name}",
+                        *(["--nodes", str(w.nodes)] if w.nodes > 1 else [])])
     return ("This run will not fit: " + "; ".join(problems) + ".\nTry " + ", ".join(fixes)
             + f"; `{query}` shows what fits. --no-fit-check runs it anyway.")
 
@@ -204,11 +234,20 @@ def check_fit(run: ResolvedRun, device: Device) -> None:
     host's available RAM. Runs whose architecture the planner cannot read are not checked."""
     if run.spec is None:
         return
-    gpu = GPUSpec(device.name or "GPU", (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
+    gpu = GPUSpec(catalog_name(device), (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
     workload = from_run(run, gpu)
     problem = fit_problem(workload, estimate(workload), device.free_bytes or 0, host_available_bytes())
     if problem:
         raise FitError(problem)
+
+
+def catalog_name(device: Device) -> str:
+    """How `finetune plan --gpus` names this device: its catalog entry ('NVIDIA A100-SXM4-40GB' →
+    A100-40GB), else a catalog GPU of the same memory size, else the device's own name."""
+    memory_gib = (device.total_bytes or 0) / GIB
+    found = gpu_catalog.identify(device.name, memory_gib) if device.name else None
+    alike = gpu_catalog.same_size(memory_gib)
+    return found.name if found else alike[0] if alike else device.name or "GPU"
 
 
 def _largest_terms(memory) -> list[str]:

@@ -28,6 +28,7 @@ from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConf
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, prepare_data
 from finetune.models import loading
+from finetune.plan import gpus
 from finetune.train import dry_run, loop
 from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
@@ -36,10 +37,14 @@ from finetune.train.optim import build_optimizer, build_scheduler, continue_sche
 
 def main(command: Command) -> int:
     """Plan (--dry-run) or train the run `command` describes; cli.train has parsed it."""
-    run, device = resolve(command.config, command.given)
+    if command.dry_run and command.config.gpu:  # plan for the named GPU, not this machine
+        device = dry_run.device_of(gpus.get(command.config.gpu))
+        run = resolve_run(command.config, Launch.from_environment(), device, command.given)
+    else:
+        run, device = resolve(command.config, command.given)
     if command.dry_run:
         if run.launch.rank == 0:
-            print(dry_run.dry_run_report(run, device, command.json))
+            print(dry_run.dry_run_report(run, device, command.json, command.given))
         return 0
     train(run, device)
     return 0

@@ -1,6 +1,5 @@
-"""`finetune plan --simulate` and `finetune --dry-run --simulate`: run training steps of the run
-itself on fake tensors and measure the per-GPU peak with PyTorch's MemTracker (FSDPMemTracker on a
-fake process group for FSDP2).
+"""`finetune plan --simulate`: run training steps of a plan's launch command on fake tensors and
+measure the per-GPU peak with PyTorch's MemTracker (FSDPMemTracker on a fake process group for FSDP2).
 
 The model and optimizer are the trainer's own construction (loading.build_skeleton,
 optim.build_optimizer), not a copy: what is simulated is what `python -m finetune` with the same
@@ -8,8 +7,9 @@ flags would build. Fake CPU tensors carry shapes and dtypes but no data, so a 7B
 seconds-to-a-minute of CPU and almost no memory. The step mirrors the loop with gradient
 accumulation: two forward/backward passes with an optimizer step after each, so the second pass
 runs with gradients and optimizer states allocated, as every pass after the first does in a real
-run. Supports full and LoRA fine-tuning on one device or FSDP2; QLoRA's 4-bit kernels and the
-DeepSpeed engine do not run on fake tensors.
+run. What it checks is `CHECKS`; `cannot_simulate` names why any other plan is left out (QLoRA's
+4-bit kernels and the DeepSpeed engine do not run on fake tensors; DDP's reducer and host offload
+are not tracked), and `finetune plan --simulate` then simulates the best plan it can check and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from finetune.plan.memory import GIB, estimate
 from finetune.plan.workload import Workload
 
 if TYPE_CHECKING:
+    from finetune.config.names import Strategy
     from finetune.config.resolve import ResolvedRun
 
 # MemTracker's reference types → the planner's terms.
@@ -34,6 +35,27 @@ CATEGORIES = {
 }
 
 
+# The plans --simulate runs; the output names it whenever the plan asked about is not one of them.
+CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without offload"
+
+
+def cannot_simulate(w: Workload) -> str | None:
+    """Why the plan `w` is outside CHECKS, or None when --simulate can run it."""
+    return _outside_checks(w.method, w.strategy_spec, w.offload, w.optimizer)
+
+
+def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str) -> str | None:
+    if method == "qlora":
+        return "QLoRA (bitsandbytes' 4-bit kernels do not run on fake tensors)"
+    if strategy.name not in ("single", "fsdp"):
+        return f"{strategy.label} (DDP's reducer and the DeepSpeed engine are not simulated)"
+    if offload != "none":
+        return f"{offload} offload (host memory is not tracked)"
+    if optimizer != "adamw":
+        return f"the {optimizer} optimizer (bitsandbytes kernels)"
+    return None
+
+
 @dataclass(frozen=True)
 class Simulation:
     peak_bytes: int
@@ -41,14 +63,11 @@ class Simulation:
 
 
 def simulate(run: ResolvedRun) -> Simulation:
-    """Peak tracked memory of one GPU over two accumulation micro-steps of `run`."""
-    if run.config.method == "qlora":
-        raise FinetuneError("--simulate supports full and LoRA runs: bitsandbytes' 4-bit kernels do not run on fake tensors.")
-    if run.strategy.name not in ("single", "fsdp") or run.offload != "none":
-        raise FinetuneError(f"--simulate supports one GPU and FSDP2 without offload, not {run.strategy.label} "
-                            f"with offload {run.offload}.")
-    if run.config.optimizer != "adamw":
-        raise FinetuneError(f"--simulate runs torch's AdamW, not {run.config.optimizer}.")
+    """Peak tracked memory of one GPU over two accumulation micro-steps of `run`. Raises
+    FinetuneError for a run outside CHECKS."""
+    reason = _outside_checks(run.config.method, run.strategy, run.offload, run.config.optimizer)
+    if reason is not None:
+        raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     if run.strategy.name == "fsdp":
         return _simulate_fsdp(run)
     from torch.distributed._tools.mem_tracker import MemTracker

@@ -35,7 +35,7 @@ class Finding:
 def check_machine(m: Machine) -> list[Finding]:
     """Every finding about one machine, worst first within each check."""
     return [*check_gpus(m), *check_versions(m), *check_topology(m), *check_nccl_env(m), *check_host(m),
-            *check_launch_config(m), *check_packages(m)]
+            *check_written_dirs(m), *check_launch_config(m), *check_packages(m)]
 
 
 def check_gpus(m: Machine) -> list[Finding]:
@@ -185,18 +185,56 @@ def check_host(m: Machine) -> list[Finding]:
     return findings
 
 
+def check_written_dirs(m: Machine) -> list[Finding]:
+    """Every directory a run writes must take files: an unwritable cache fails a run late, under
+    another name (a built-in dataset that "cannot be prepared")."""
+    problems = [Finding("writable", "fail", f"{what} {path}: {why}", f"point {_setting_of(what)} at a directory you can write")
+                for what, path, why in m.written_dirs if why]
+    if problems or not m.written_dirs:
+        return problems
+    return [Finding("writable", "ok", "a run can write " + ", ".join(f"{what} ({path})" for what, path, _ in m.written_dirs))]
+
+
+def _setting_of(what: str) -> str:
+    """The flag or variable that moves a written directory."""
+    return {"--output-dir": "--output-dir", "HF_HOME": "HF_HOME", "datasets cache": "HF_DATASETS_CACHE",
+            "finetune data cache": "FINETUNE_DATA_CACHE",
+            "finetune model cache": "FINETUNE_MODEL_CACHE"}[what]
+
+
+def _whole_number(settings: dict, key: str) -> int | None:
+    """settings[key] (default 1) when it is a whole number ≥ 1, else None."""
+    value = settings.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit() or int(value) < 1:
+        return None
+    return int(value)
+
+
 def check_launch_config(m: Machine) -> list[Finding]:
-    """What a bare `accelerate launch -m finetune` would start, from the default accelerate config."""
+    """What a bare `accelerate launch -m finetune` would start, from the default accelerate config,
+    judged against this machine; a file that cannot be read or holds impossible values fails."""
+    unusable = "fix it, delete it (`accelerate config` writes a new one), or pass --config_file to every launch"
+    if m.accelerate_config_error is not None:
+        return [Finding("accelerate config", "fail", f"{m.accelerate_config_file} {m.accelerate_config_error}: "
+                        "`accelerate launch` stops on it before finetune starts", unusable)]
     if m.accelerate_config is None:
         return [Finding("accelerate config", "info", "no default accelerate config: `accelerate launch -m finetune` starts "
                         "one process", "pass --config_file accelerate_configs/ddp.yaml (or fsdp.yaml, ...), or run "
                         "`finetune plan` for the one that fits")]
     c = m.accelerate_config
-    processes, machines = int(c.get("num_processes", 1)), int(c.get("num_machines", 1))
-    kind, precision = c.get("distributed_type", "NO"), c.get("mixed_precision", "no")
+    processes, machines = _whole_number(c, "num_processes"), _whole_number(c, "num_machines")
+    if processes is None or machines is None:
+        key = "num_processes" if processes is None else "num_machines"
+        return [Finding("accelerate config", "fail", f"{m.accelerate_config_file}: {key}: {c.get(key)!r} is not a whole "
+                        "number ≥ 1, so `accelerate launch` fails", unusable)]
+    kind, precision = str(c.get("distributed_type", "NO")).upper(), c.get("mixed_precision", "no")
     would = (f"{m.accelerate_config_file}: `accelerate launch -m finetune` would start {processes} process(es) "
              f"as {kind} on {machines} machine(s), mixed_precision {precision}")
-    local = processes // max(machines, 1)
+    local = processes // machines
+    if not m.gpus and kind in ("MULTI_GPU", "FSDP", "DEEPSPEED") and not c.get("use_cpu"):
+        return [Finding("accelerate config", "fail", f"{would}, but no GPU is visible here",
+                        "on a CPU machine set `use_cpu: true` and distributed_type MULTI_CPU, pass --config_file, "
+                        "or rehearse with `finetune rehearse`")]
     if m.gpus and local > len(m.gpus):
         return [Finding("accelerate config", "fail", f"{would}, but only {len(m.gpus)} GPU(s) are visible",
                         f"set num_processes to {len(m.gpus) * machines} (`accelerate config`) or pass --config_file")]

@@ -43,6 +43,8 @@ class Machine:
     disk_free_bytes: int = 0
     accelerate_config_file: str | None = None
     accelerate_config: dict | None = None
+    accelerate_config_error: str | None = None  # why the default config could not be read as a YAML mapping
+    written_dirs: list[list] = field(default_factory=list)  # [what, path, why a run cannot write there, or None]
     versions: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -64,6 +66,7 @@ def probe(output_dir: str) -> Machine:
     from accelerate.commands.config import default_config_file
 
     launch_file = Path(default_config_file)
+    launch_config, launch_error = read_yaml_mapping(launch_file)
     return Machine(
         host=socket.gethostname(),
         rank=int(os.environ.get("RANK", "0")),
@@ -83,10 +86,66 @@ def probe(output_dir: str) -> Machine:
         ram_available_bytes=int(meminfo.get("MemAvailable", 0)) * 1024,
         output_dir=output_dir,
         disk_free_bytes=shutil.disk_usage(_existing_ancestor(Path(output_dir))).free,
-        accelerate_config_file=str(launch_file) if launch_file.is_file() else None,
-        accelerate_config=yaml.safe_load(launch_file.read_text()) if launch_file.is_file() else None,
+        accelerate_config_file=str(launch_file) if launch_file.exists() else None,
+        accelerate_config=launch_config,
+        accelerate_config_error=launch_error,
+        written_dirs=[[what, str(path), cannot_write(path)] for what, path in written_directories(output_dir)],
         versions=package_versions(),
     )
+
+
+def read_yaml_mapping(path: Path) -> tuple[dict | None, str | None]:
+    """(the file's YAML mapping, None), or (None, why it is not one); (None, None) when it is absent.
+    The doctor reads every file defensively: a broken file is a finding, not a traceback."""
+    if not path.exists():
+        return None, None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot be read ({e.strerror if isinstance(e, OSError) else e})"
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        return None, f"is not valid YAML{where} ({getattr(e, 'problem', None) or e})"
+    if data is None:
+        return {}, None
+    if not isinstance(data, dict):
+        return None, f"holds a {type(data).__name__}, not a mapping of settings"
+    return data, None
+
+
+def written_directories(output_dir: str) -> list[tuple[str, Path]]:
+    """Every directory a run writes: --output-dir, $HF_HOME (Hub downloads, Accelerate's config),
+    the datasets cache, finetune's data cache and its model cache (GGUF conversions)."""
+    from finetune.data.cache import cache_root as data_cache
+    from finetune.models.gguf_import import cache_root as model_cache
+
+    hf_home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    directories = [("--output-dir", Path(output_dir)), ("HF_HOME", hf_home),
+                   ("datasets cache", Path(os.environ.get("HF_DATASETS_CACHE") or hf_home / "datasets"))]
+    data = data_cache(None)
+    if data is not None:
+        directories.append(("finetune data cache", data))
+    return [*directories, ("finetune model cache", model_cache())]
+
+
+def cannot_write(path: Path) -> str | None:
+    """Why a run cannot create files in `path` (creating it first if missing), or None. Tried for
+    real, with a temporary folder removed at once: permission bits do not tell root's story, nor a
+    read-only mount's."""
+    import tempfile
+
+    path = path.expanduser().absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".finetune-doctor-").cleanup()
+    except OSError as e:
+        return f"cannot create files in {existing}: {e.strerror or e}"
+    return None
 
 
 def nvidia_smi(*args: str) -> str | None:
