@@ -16,7 +16,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
-from functools import cache
+from functools import cache, lru_cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qsl, urlsplit
@@ -30,6 +30,8 @@ from finetune.plan.params import count_params
 # A config.json is 1-3 kB and a query a line; anything far larger is not a planning request.
 MAX_BODY_BYTES = 64 * 1024
 MAX_URL_BYTES = 8 * 1024
+# answers kept per server; a "what fits" answer is ~0.3 MB of JSON
+ANSWER_CACHE = 32
 # URL path → (file in finetune/plan/page/, content type). Nothing else is served.
 STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -146,7 +148,13 @@ def _error(message: str) -> dict:
 
 
 def handler_for(answer: Answer) -> type[PlanHandler]:
-    return type("BoundPlanHandler", (PlanHandler,), {"answer": staticmethod(answer)})
+    """A handler class that answers with `answer`, remembering the last ANSWER_CACHE answers: the
+    planner is a pure function of the fields, and a page often asks again (undo, back, a shared link)."""
+    @lru_cache(maxsize=ANSWER_CACHE)
+    def remembered(key: tuple[tuple[str, str], ...]) -> tuple[int, dict]:
+        return answer(dict(key))
+
+    return type("BoundPlanHandler", (PlanHandler,), {"answer": staticmethod(lambda fields: remembered(tuple(sorted(fields.items()))))})
 
 
 def start(host: str, port: int, answer: Answer) -> ThreadingHTTPServer:

@@ -143,8 +143,8 @@ function onePlan(data) {
     : el("p", {class: "verdict good"}, "Recommended: ", el("strong", {}, describe(plans[r.recommended])),
       `, micro batch ${plans[r.recommended].micro_batch_size}`, plans[r.recommended].gradient_checkpointing ? ", gradient checkpointing" : "",
       ` — ${fmt(plans[r.recommended].tokens_per_second)} tokens/s`);
-  const scale = Math.max(hw.memory_gib, ...plans.map((p) => p.memory_per_gpu_gib.device)) * 1.04;
-  const hostScale = Math.max(hw.host_memory_gib_per_node, ...plans.map((p) => p.host_memory_gib)) * 1.04;
+  const scale = barScale(hw.memory_gib, plans.map((p) => p.memory_per_gpu_gib.device));
+  const hostScale = barScale(hw.host_memory_gib_per_node, plans.map((p) => p.host_memory_gib));
   const rows = plans.map((p, i) => el("tr", {class: rowClass(p, i, r.recommended), onclick: () => { selected = i; show(data); }},
     el("td", {}, i === r.recommended ? "★" : ""), el("td", {}, p.method), el("td", {}, label(p.strategy)), el("td", {}, p.offload),
     el("td", {class: "num"}, p.micro_batch_size), el("td", {}, p.gradient_checkpointing ? "yes" : "no"),
@@ -168,7 +168,7 @@ function whatFits(data) {
   const hw = data.result[0].hardware;
   const best = data.result.map((r) => r.plans[r.recommended ?? 0]);
   if (selected === null) selected = Math.max(0, data.result.findIndex((r) => r.recommended !== null));
-  const scale = Math.max(hw.memory_gib, ...best.map((p) => p.memory_per_gpu_gib.device)) * 1.04;
+  const scale = barScale(hw.memory_gib, best.map((p) => p.memory_per_gpu_gib.device));
   const head = el("p", {class: "summary"}, el("strong", {}, `What fits on ${hw.count}× ${hw.gpu}`),
     ` (${fmt(hw.memory_gib)} GiB, host RAM ${fmt(hw.host_memory_gib_per_node)} GiB per node), seq len ${best[0].seq_len}`,
     data.result[0].tokens ? `; ${fmt(data.result[0].tokens)} training tokens` : el("span", {class: "muted"}, " (hours and $: give training tokens)"));
@@ -209,21 +209,32 @@ function why(p, i, recommended) {
   return reason.startsWith(prefix) ? reason.slice(prefix.length) : reason;
 }
 
+// Bars share one scale per table, capped at twice the limit so plans far over it don't squash the
+// ones that fit; a bar cut at the edge ends in an arrow.
+function barScale(limit, values) {
+  return Math.min(Math.max(limit, ...values), 2 * limit) * 1.04;
+}
+
+function bar(parts, total, scale, limit, extraClass) {
+  return el("div", {class: `bar ${extraClass}`},
+    el("div", {class: "segs"}, parts.map(([term, gib]) => el("div", {class: `seg t-${term.split(" ")[0]}`, width: `${(100 * gib) / scale}%`}))),
+    el("div", {class: "limit", left: `${(100 * limit) / scale}%`}),
+    total > scale ? el("span", {class: "over"}, "▸") : null);
+}
+
 function memoryBar(p, scale, capacity) {
   const m = p.memory_per_gpu_gib;
   const known = TERMS.reduce((sum, term) => sum + m[term], 0);
   const parts = [...TERMS.map((term) => [term, m[term]]), ["slack + CUDA context", Math.max(0, m.device - known)]];
-  return el("div", {class: "bar", title: parts.map(([term, gib]) => `${term} ${fmt(gib, 1)} GiB`).join("\n")},
-    parts.map(([term, gib]) => el("div", {class: `seg t-${term.split(" ")[0]}`, width: `${(100 * gib) / scale}%`})),
-    el("div", {class: "limit", left: `${(100 * capacity) / scale}%`}));
+  const box = bar(parts, m.device, scale, capacity, "");
+  box.title = parts.map(([term, gib]) => `${term} ${fmt(gib, 1)} GiB`).join("\n");
+  return box;
 }
 
 function hostBar(p, scale, limit) {
   return el("div", {class: "hostwrap", title: `host RAM per node: ${fmt(p.host_memory_gib, 1)} GiB (offload ${fmt(p.host_memory_detail_gib.offload, 1)},`
     + ` loading ${fmt(p.host_memory_detail_gib.loading, 1)}) of ${fmt(limit)} GiB`},
-  el("div", {class: "bar host"}, el("div", {class: "seg t-host", width: `${(100 * p.host_memory_gib) / scale}%`}),
-    el("div", {class: "limit", left: `${(100 * limit) / scale}%`})),
-  el("span", {class: "num"}, fmt(p.host_memory_gib)));
+  bar([["host", p.host_memory_gib]], p.host_memory_gib, scale, limit, "host"), el("span", {class: "num"}, fmt(p.host_memory_gib)));
 }
 
 function legend() {
