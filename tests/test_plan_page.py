@@ -178,6 +178,7 @@ def test_html_file_is_self_contained_and_carries_the_json(tmp_path):
     html = page.read_text()
     data = json.loads(html.split("window.PLAN_DATA = ", 1)[1].split(";\nwindow.PLAN_CATALOG", 1)[0])
     assert data["result"] == cli_json(query)
+    assert data["command"] == f"finetune plan '{query}'"
     assert "<script src=" not in html and "<link rel=\"stylesheet\"" not in html  # CSS and JS inline
     assert "http://" not in html and "https://" not in html  # nothing to fetch
     assert "recommended" in done.stdout.lower()  # the terminal output is unchanged

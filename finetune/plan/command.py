@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--png", metavar="FILE", help="draw per-GPU memory per plan as a stacked bar chart")
     parser.add_argument("--write-config", metavar="DIR", help="write the recommended plan's accelerate YAML (and DeepSpeed JSON)")
     parser.add_argument("--html", metavar="FILE", help="write the result as one self-contained HTML page (opens without network)")
-    parser.add_argument("--serve", action="store_true", help="serve the planner as a local web page (no query needed)")
+    parser.add_argument("--serve", action="store_true", help="serve the planner as a local web page (opened on QUERY if given)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"with --serve: address to bind (default {DEFAULT_HOST}, "
                         "this machine only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     if args.serve:
         from finetune.plan import serve  # http.server: imported only when asked for
 
-        return serve.run(args.host, args.port, page_answer)
+        return serve.run(args.host, args.port, page_answer, " ".join(args.query))
     request = build_request(args)
     if isinstance(request, list):
         return _what_fits(request, args, argv)
@@ -248,7 +248,9 @@ def write_html(args: argparse.Namespace, argv: list[str]) -> None:
     if args.html:
         from finetune.plan import serve
 
-        Path(args.html).write_text(serve.standalone_html(page_data(args, shlex.join(["finetune", "plan", *argv]))), encoding="utf-8")
+        shown = [word for i, word in enumerate(argv)  # the command that plans it, not the one that wrote the file
+                 if not (word == "--html" or word.startswith("--html=") or (i and argv[i - 1] == "--html"))]
+        Path(args.html).write_text(serve.standalone_html(page_data(args, shlex.join(["finetune", "plan", *shown]))), encoding="utf-8")
         note(f"wrote {args.html}")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import cache, lru_cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from finetune.config.names import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
 from finetune.errors import FinetuneError
@@ -161,17 +161,19 @@ def start(host: str, port: int, answer: Answer) -> ThreadingHTTPServer:
     """A bound server (port 0: a free one), not yet serving; call serve_forever()."""
     try:
         server = ThreadingHTTPServer((host, port), handler_for(answer))
-    except OSError as e:
-        raise FinetuneError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another --port.") from e
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        why = str(getattr(e, "strerror", None) or e).rstrip(".")
+        raise FinetuneError(f"Cannot listen on {host}:{port}: {why}. Pick another --host or --port.") from e
     server.daemon_threads = True
     return server
 
 
-def run(host: str, port: int, answer: Answer) -> int:
-    """Serve until Ctrl-C."""
+def run(host: str, port: int, answer: Answer, query: str = "") -> int:
+    """Serve until Ctrl-C; the address printed opens the page on `query` when one is given."""
     server = start(host, port, answer)
     bound_host, bound_port = server.server_address[:2]
-    print(f"finetune plan: serving the planner on http://{bound_host}:{bound_port}/ (Ctrl-C stops)", file=sys.stderr)
+    opening = f"?{urlencode({'q': query})}" if query else ""
+    print(f"finetune plan: serving the planner on http://{bound_host}:{bound_port}/{opening} (Ctrl-C stops)", file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print("finetune plan: --host makes the page reachable from other machines", file=sys.stderr)
     try:
