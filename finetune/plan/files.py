@@ -142,16 +142,22 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
     return shlex.join([*words, "--write-config", config_dir])
 
 
+def config_texts(plan: Plan, directory: str = DEFAULT_CONFIG_DIR) -> dict[str, str]:
+    """File name → text of the accelerate YAML (and the DeepSpeed JSON for ZeRO plans), as they
+    read when saved in `directory` (the YAML names the JSON by its path there)."""
+    texts = {ACCELERATE_FILE: yaml.safe_dump(accelerate_config(plan, directory), sort_keys=False)}
+    ds = deepspeed_config(plan)
+    if ds is not None:
+        texts[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"
+    return texts
+
+
 def write_configs(plan: Plan, directory: str | Path) -> list[Path]:
     """Write the accelerate YAML (and the DeepSpeed JSON for ZeRO plans) into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    accelerate_path = directory / ACCELERATE_FILE
-    accelerate_path.write_text(yaml.safe_dump(accelerate_config(plan, str(directory)), sort_keys=False))
-    written = [accelerate_path]
-    ds = deepspeed_config(plan)
-    if ds is not None:
-        ds_path = directory / DEEPSPEED_FILE
-        ds_path.write_text(json.dumps(ds, indent=2) + "\n")
-        written.append(ds_path)
+    written = []
+    for name, text in config_texts(plan, str(directory)).items():
+        (directory / name).write_text(text)
+        written.append(directory / name)
     return written
