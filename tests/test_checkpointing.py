@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from finetune.checkpoint import layout
-from finetune.checkpoint.layout import CheckpointError
+from finetune.errors import CheckpointError
 
 
 def test_layout_and_manifest_written_last(make_run):

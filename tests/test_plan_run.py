@@ -151,7 +151,7 @@ def test_launch_command_resolves_to_the_planned_workload(name, tmp_path):
     write_configs(chosen, tmp_path)
     run = run_of_plan(chosen, tmp_path, tmp_path / "out")
     assert from_run(run, chosen.workload.gpu) == chosen.workload
-    assert "--precision " + chosen.workload.precision in launch_command(chosen)
+    assert "--precision " + chosen.workload.precision.name in launch_command(chosen)
 
 
 def test_dry_run_prints_the_plan_with_what_the_trainer_builds(tmp_path):

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
-from finetune.config.options import EVERY_OPTION, BatchShape, ConfigError, TrainConfig, resolve_batch_shape, scaled_lr, validate
+from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
 
 # how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
@@ -184,7 +185,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
         strategy, offload = STRATEGIES["fsdp"], "params" if launch.fsdp_offload_params else "none"
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
-    check_precision(precision, config.method, strategy.name)
+    check_precision(precision, config.method, strategy)
     return ResolvedRun(config=config, source=source, spec=spec or model_source.architecture_of(config.model), batch=batch,
                        peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload, launch=launch,
                        deepspeed=deepspeed, random_init=spec is not None and spec.random_init)

@@ -11,11 +11,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from finetune.errors import FinetuneError
+from finetune.errors import HubError
 
-
-class HubError(FinetuneError):
-    """The Hub cannot be reached, or refused the upload."""
 
 
 def check_can_push(repo_id: str, timeout: float = 5.0) -> None:

@@ -12,7 +12,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from finetune.errors import FinetuneError
+from finetune.errors import UnknownGPUError
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,6 @@ AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB"), "v1
 # a size a user writes ('24GB') and what the card reports (22.5 GiB for an L4) differ by this much
 SAME_SIZE_GIB = 1.5
 
-
-class UnknownGPUError(FinetuneError):
-    pass
 
 
 def squash(text: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from finetune.plan import gpus as gpu_catalog
 from finetune.plan.gpus import GPUSpec
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, FitError
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
 from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, estimate, place_states
@@ -27,9 +27,6 @@ from finetune.config.resolve import Device, ResolvedRun
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
 
-
-class FitError(FinetuneError):
-    """The run will not fit the memory it is launched on; the message says what would."""
 
 
 def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
@@ -66,9 +63,9 @@ def run_of_plan(plan: Plan, config_dir: str | Path, output_dir: str | Path) -> R
 
     w = plan.workload
     config = parse_config([*train_flags(w), "--gpu", w.gpu.name, "--output-dir", str(output_dir)])
-    launch = Launch(world_size=w.world_size, num_machines=w.nodes, fsdp=w.strategy == "fsdp",
-                    fsdp_offload_params=w.strategy == "fsdp" and w.offload == "params",
-                    fsdp_cpu_ram_efficient_loading=w.strategy == "fsdp", deepspeed=w.deepspeed,
+    launch = Launch(world_size=w.world_size, num_machines=w.nodes, fsdp=w.strategy.fsdp,
+                    fsdp_offload_params=w.strategy.fsdp and w.offload == "params",
+                    fsdp_cpu_ram_efficient_loading=w.strategy.fsdp, deepspeed=w.deepspeed,
                     deepspeed_config_file=str(Path(config_dir) / DEEPSPEED_FILE) if w.deepspeed else None)
     return resolve_run(config, launch, Device(cuda=True, name=w.gpu.name, bf16=w.gpu.bf16))
 

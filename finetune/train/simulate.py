@@ -44,12 +44,12 @@ def simulate(run: ResolvedRun) -> Simulation:
     """Peak tracked memory of one GPU over two accumulation micro-steps of `run`."""
     if run.config.method == "qlora":
         raise FinetuneError("--simulate supports full and LoRA runs: bitsandbytes' 4-bit kernels do not run on fake tensors.")
-    if run.strategy.name not in ("single", "fsdp") or run.offload != "none":
+    if run.strategy.ddp or run.strategy.deepspeed or run.offload != "none":
         raise FinetuneError(f"--simulate supports one GPU and FSDP2 without offload, not {run.strategy.label} "
                             f"with offload {run.offload}.")
     if run.config.optimizer != "adamw":
         raise FinetuneError(f"--simulate runs torch's AdamW, not {run.config.optimizer}.")
-    if run.strategy.name == "fsdp":
+    if run.strategy.fsdp:
         return _simulate_fsdp(run)
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -158,7 +158,7 @@ def compare_text(run: ResolvedRun, w: Workload) -> str:
     """Simulated vs analytic per-GPU peak, term by term (allocated memory, no slack or context)."""
     simulated = simulate(run)
     analytic = estimate(w)
-    lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy_spec.label}, "
+    lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy.label}, "
              f"{w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}):",
              f"  {'term':<12} {'simulated':>10} {'analytic':>10}  GiB"]
     for term in ("weights", "gradients", "optimizer", "activations", "buffers"):
