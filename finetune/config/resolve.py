@@ -134,15 +134,10 @@ class ResolvedRun:
     offload: str  # none | optimizer | params
     launch: Launch
     deepspeed: DeepSpeedSetup | None
-    random_init: bool = False  # a catalog shape without published weights (`tiny`): written once, seeded
-    max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
 
     @property
     def world_size(self) -> int:
         return self.batch.world_size
-
-    def with_max_steps(self, max_steps: int) -> ResolvedRun:
-        return replace(self, max_steps=max_steps)
 
 
 def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: frozenset[str] = EVERY_OPTION) -> ResolvedRun:
@@ -159,7 +154,8 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     written = deepspeed_as_written(config, launch)
     adopted = {} if written is None else deepspeed_json.adopt(written.config, config, given)
     config = with_adopted(config, adopted, written)
-    source, spec = model_source.resolve_source(config.model, config.output_dir)
+    model = model_source.model_source(config.model, config.output_dir)
+    spec = model.spec
     batch = resolve_batch_shape(config, launch.world_size)
     family = launch.mixed_precision or (None if written is None else deepspeed_json.precision_family(written.config))
     precision = resolve_precision(config.precision, config.method, device, family)
@@ -186,9 +182,9 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy)
-    return ResolvedRun(config=config, source=source, spec=spec or model_source.architecture_of(config.model), batch=batch,
-                       peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload, launch=launch,
-                       deepspeed=deepspeed, random_init=spec is not None and spec.random_init)
+    return ResolvedRun(config=config, source=model.weights, spec=spec or model_source.architecture_of(config.model),
+                       batch=batch, peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload,
+                       launch=launch, deepspeed=deepspeed)
 
 
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:

@@ -12,6 +12,8 @@ import yaml
 
 import finetune
 from finetune.checkpoint.layout import MANIFEST
+from finetune.errors import FinetuneError
+from finetune.models.source import ModelSource, model_source
 from finetune.train.metrics import read_metrics
 
 # licenses of catalogued base models, by Hub id prefix (the model pages' `license:` fields)
@@ -67,15 +69,17 @@ def read_run_record(trained) -> RunRecord:
 def base_model_id(config: dict) -> str | None:
     """The Hub id of the model the run started from: a catalog entry's (or the repo its GGUF was
     converted from), or --model itself when it names a Hub repo (not a local path or file)."""
-    from finetune.models.catalog import lookup
+    source = _model_source(config)
+    return source.hub_id if source is not None else None
 
-    model = config["model"]
-    spec = lookup(model)
-    if spec is not None:
-        return spec.hf_id or spec.converted_from
-    if model.count("/") == 1 and not Path(model).exists() and not model.endswith((".gguf", ".safetensors")):
-        return model
-    return None
+
+def _model_source(config: dict) -> ModelSource | None:
+    """What the run's --model was (see models.source), or None when it can no longer be told (a GGUF
+    file moved away since training, the package that shipped it uninstalled)."""
+    try:
+        return model_source(str(config["model"]), config.get("output_dir") or ".")
+    except FinetuneError:
+        return None
 
 
 def license_of(hub_id: str | None) -> str | None:

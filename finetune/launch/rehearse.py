@@ -94,10 +94,10 @@ def shrunk_model_config(config: TrainConfig):
     from finetune.models import gguf_import
     from finetune.models import source as model_source
 
-    source, spec = model_source.resolve_source(config.model, config.output_dir)
-    gguf = gguf_import.gguf_path(config.model)
-    if spec is None and gguf is not None:  # a .gguf path: its config is the converted folder's, written once
-        gguf_import.convert(gguf, Path(source))
+    model = model_source.model_source(config.model, config.output_dir)
+    source, spec = model.weights, model.spec
+    if spec is None and model.kind == "gguf":  # a .gguf path: its config is the converted folder's, written once
+        gguf_import.convert(model.gguf, Path(source))
     try:
         original = (spec.to_hf_config_dict() if spec is not None else
                     AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code).to_dict())

@@ -57,23 +57,6 @@ def packaged_file(package: str, relative: str, name: str) -> Path:
     return path
 
 
-def gguf_path(model: str) -> Path | None:
-    """The GGUF file a --model value names: a catalog entry whose weights are a GGUF, or a `.gguf`
-    path (checked: it exists and is a GGUF file); None for anything else."""
-    from finetune.models import catalog
-
-    spec = catalog.lookup(model)
-    if spec is not None and spec.gguf_file is not None:
-        if spec.gguf_package is not None:
-            return packaged_file(spec.gguf_package, spec.gguf_file, spec.name)
-        return Path(spec.gguf_file)
-    if not is_gguf(model):
-        return None
-    path = Path(model).expanduser().resolve()
-    check_file(path, model)
-    return path
-
-
 def check_file(path: Path, name: str) -> None:
     """Raise FinetuneError unless `path` is a readable GGUF file."""
     if not path.is_file():

@@ -87,7 +87,6 @@ def train(run: ResolvedRun, device: Device) -> dict:
     train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
     windows_per_epoch = math.ceil(len(data.train) / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
     max_steps = config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
-    run = run.with_max_steps(max_steps)
     lr = run.peak_lr
     optimizer = build_optimizer(config, model, lr)
     scheduler = build_scheduler(config, optimizer, max_steps)
