@@ -77,7 +77,7 @@ class Launch:
     def from_accelerate_config(cls, path: str | None, num_processes: int) -> Launch:
         """What `accelerate launch [--config_file path] --num_processes N` announces to each
         process, read from the file instead of the environment (no file: `--multi_gpu`)."""
-        settings = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+        settings = read_accelerate_config(path) if path else {}
         kind = str(settings.get("distributed_type", "MULTI_GPU")).upper()
         fsdp, deepspeed = settings.get("fsdp_config") or {}, settings.get("deepspeed_config") or {}
         mixed = str(settings.get("mixed_precision") or "no")
@@ -93,6 +93,35 @@ class Launch:
             deepspeed_zero_stage=deepspeed.get("zero_stage"),
             mixed_precision=None if mixed == "no" else mixed,
         )
+
+
+# settings of an accelerate config that are counts; Accelerate's loader leaves their types unchecked
+ACCELERATE_INTEGERS = ("num_processes", "num_machines", "machine_rank", "fsdp_config.fsdp_version",
+                       "deepspeed_config.zero_stage")
+
+
+def read_accelerate_config(path: str | Path) -> dict:
+    """The accelerate config file at `path` as `accelerate launch` reads it (Accelerate's own loader:
+    YAML or JSON, defaults filled in, distributed_type checked), as a dict without `num_processes`
+    when the file sets none. Raises ConfigError naming the file and the setting, instead of a yaml
+    or ValueError traceback. Accelerate's loader imports torch: only runs that read a file pay it."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        settings = load_config_from_file(str(path)).to_dict()
+    except FileNotFoundError as e:
+        raise ConfigError(f"accelerate config {path}: no such file.") from e
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError) as e:
+        detail = " ".join(str(e).split()) if not isinstance(e, AttributeError) else "it is not a mapping of settings"
+        raise ConfigError(f"accelerate config {path}: {detail}") from e
+    for key in ACCELERATE_INTEGERS:
+        section, _, name = key.rpartition(".")
+        value = (settings.get(section) or {}).get(name) if section else settings.get(key)
+        if value is not None and type(value) is not int:
+            raise ConfigError(f"accelerate config {path}: {key} must be a whole number, got {value!r}.")
+    if settings.get("num_processes") == -1:  # Accelerate's marker for "not set"
+        del settings["num_processes"]
+    return settings
 
 
 @dataclass(frozen=True)

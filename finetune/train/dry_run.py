@@ -214,12 +214,8 @@ def _largest_terms(memory) -> list[str]:
     return [f"{name} {value / GIB:.1f}" for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:3]]
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable of this machine (Linux), None where /proc/meminfo is missing."""
-    meminfo = Path("/proc/meminfo")
-    if not meminfo.is_file():
-        return None
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
+def host_available_bytes() -> int:
+    """The host RAM available to a new allocation (Linux's MemAvailable), as psutil reads it."""
+    import psutil
+
+    return psutil.virtual_memory().available

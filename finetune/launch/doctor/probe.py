@@ -11,10 +11,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
-import yaml
 
 from finetune.checkpoint.identity import package_versions
+from finetune.config.resolve import read_accelerate_config
 
 GIB = 2**30
 
@@ -60,7 +61,7 @@ def probe(output_dir: str) -> Machine:
     smi_count = nvidia_smi("--query-gpu=index", "--format=csv,noheader")
     header = nvidia_smi() or ""
     driver_cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
-    meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)) if Path("/proc/meminfo").is_file() else {}
+    memory = psutil.virtual_memory()
     from accelerate.commands.config import default_config_file
 
     launch_file = Path(default_config_file)
@@ -79,12 +80,12 @@ def probe(output_dir: str) -> Machine:
         nccl_env={name: value for name, value in os.environ.items() if name.startswith("NCCL_")},
         interfaces=sorted(os.listdir("/sys/class/net")) if Path("/sys/class/net").is_dir() else [],
         shm_bytes=_filesystem_size("/dev/shm"),
-        ram_total_bytes=int(meminfo.get("MemTotal", 0)) * 1024,
-        ram_available_bytes=int(meminfo.get("MemAvailable", 0)) * 1024,
+        ram_total_bytes=memory.total,
+        ram_available_bytes=memory.available,
         output_dir=output_dir,
         disk_free_bytes=shutil.disk_usage(_existing_ancestor(Path(output_dir))).free,
         accelerate_config_file=str(launch_file) if launch_file.is_file() else None,
-        accelerate_config=yaml.safe_load(launch_file.read_text()) if launch_file.is_file() else None,
+        accelerate_config=read_accelerate_config(launch_file) if launch_file.is_file() else None,
         versions=package_versions(),
     )
 
