@@ -4,6 +4,7 @@ refusing up front, with nothing written, when the Hub cannot be reached."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from huggingface_hub import ModelCard
 
@@ -75,7 +76,29 @@ def test_push_to_hub_without_network_fails_before_anything_is_written(bpe_lora_r
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")  # a token, so whoami goes to the (unreachable) Hub
     out = tmp_path / "export"
     assert cli(["export", str(bpe_lora_run / "run"), "--out", str(out), "--format", "gguf", "--push-to-hub", "me/model"]) == 2
     assert "--push-to-hub me/model: cannot reach http://127.0.0.1:9" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_push_to_hub_with_a_revoked_token_fails_before_anything_is_written(bpe_lora_run, tmp_path, capsys, monkeypatch):
+    """A token that is set but no longer valid: the Hub's whoami answers 401 (monkeypatched: no network)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    asked = []
+
+    def revoked(self, *args, **kwargs):
+        asked.append(True)
+        raise HfHubHTTPError("Invalid user token.", response=SimpleNamespace(status_code=401, headers={}, request=None))
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_revoked")
+    monkeypatch.setattr(HfApi, "whoami", revoked)
+    out = tmp_path / "export"
+    assert cli(["export", str(bpe_lora_run / "run"), "--out", str(out), "--push-to-hub", "me/model"]) == 2
+    err = capsys.readouterr().err
+    assert asked and "--push-to-hub me/model: the Hub refused this machine's token (Invalid user token.)" in err
+    assert "hf auth login --force" in err and list(tmp_path.iterdir()) == []
