@@ -116,6 +116,21 @@ def hf_config(path: Path) -> dict:
     return {key: item for key, item in config.items() if item is not None}
 
 
+def file_type(path: Path) -> str | None:
+    """The type the file stores its weights in, as llama.cpp names it (Q4_1, Q8_0, F16), from its
+    `general.file_type`; None when the file, the gguf package or the field is missing."""
+    try:
+        field = _reader(path).fields.get("general.file_type")
+    except (FinetuneError, OSError):
+        return None
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(field.contents()).name.removeprefix("MOSTLY_") if field is not None else None
+    except ValueError:
+        return None
+
+
 def is_converted(entry: Path) -> bool:
     return (entry / SOURCE_FILE).is_file()
 
