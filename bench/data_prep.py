@@ -82,9 +82,9 @@ def write_rows(path: Path, fmt: str, count: int) -> None:
 def save_tokenizer(directory: Path) -> None:
     from transformers import AutoTokenizer
 
-    from finetune.models.gguf_import import gguf_path
+    from finetune.models.source import model_source
 
-    path = gguf_path("smollm2-135m")
+    path = model_source("smollm2-135m").gguf
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(directory)
 
 

@@ -259,7 +259,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in points:
         w = c.workload
-        print(f"| {c.row['id']} | {c.role} | {w.model.name} | {w.method} | {w.strategy} × {w.world_size} | {w.offload} "
+        print(f"| {c.row['id']} | {c.role} | {w.model.name} | {w.method} | {w.strategy.name} × {w.world_size} | {w.offload} "
               f"| {w.micro_batch_size} × {w.seq_len} | {'yes' if w.gradient_checkpointing else 'no'} | {c.metric} "
               f"| {c.measured_gib:.2f} | {c.predicted_gib:.2f} | {c.error:+.1%} |")
     print()

@@ -1,6 +1,39 @@
-"""The one exception type the CLI turns into a clean message instead of a traceback."""
+"""Every error the user can fix, in one place: the CLI turns a FinetuneError into one clean line
+instead of a traceback, and the subclasses say which stage found the problem."""
 
 
 class FinetuneError(Exception):
     """A problem the user can fix (bad flag, missing file, model that does not fit); the message
     says what is wrong and how to fix it."""
+
+
+class ConfigError(FinetuneError):
+    """A configuration problem the user can fix; the message says how."""
+
+
+class UnknownModelError(FinetuneError):
+    """--model names nothing in the catalog, on disk or in the Hugging Face cache."""
+
+
+class UnknownGPUError(FinetuneError):
+    """--gpus / --gpu names no GPU of the catalog (or an ambiguous one)."""
+
+
+class CheckpointError(FinetuneError):
+    """A checkpoint that cannot be resumed or exported; the message says why and what to do."""
+
+
+class GgufExportError(CheckpointError):
+    """The model or tokenizer has no GGUF form this version writes."""
+
+
+class PreflightError(FinetuneError):
+    """The distributed job cannot train as launched; the message lists every problem found."""
+
+
+class FitError(FinetuneError):
+    """The run will not fit the memory it is launched on; the message says what would."""
+
+
+class HubError(FinetuneError):
+    """The Hub cannot be reached, or refused the upload."""

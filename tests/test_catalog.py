@@ -4,7 +4,7 @@ import pytest
 
 from finetune.plan import gpus
 from finetune.models import catalog
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UnknownGPUError
 from finetune.plan.params import count_params, lora_params, resolve_lora_targets
 
 
@@ -63,7 +63,7 @@ def test_gpu_catalog_covers_the_issue_list():
 
 
 def test_unknown_gpu_suggests_close_names():
-    with pytest.raises(gpus.UnknownGPUError, match="H100-80GB"):
+    with pytest.raises(UnknownGPUError, match="H100-80GB"):
         gpus.get("H10")
     with pytest.raises(FinetuneError, match="A100-40GB or A100-80GB"):
         gpus.get("A100")

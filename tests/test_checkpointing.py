@@ -16,7 +16,7 @@ from helpers import WORD_RUN_ROWS, WORD_RUN_WORDS, train_steps, weights
 from safetensors import safe_open
 
 from finetune.checkpoint import layout
-from finetune.checkpoint.layout import CheckpointError
+from finetune.errors import CheckpointError
 
 
 def test_layout_and_manifest_written_last(make_run):

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from finetune.config.options import (ConfigError, TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
+from finetune.errors import ConfigError
+from finetune.config.options import (TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
                              save_yaml, scaled_lr)
 
 

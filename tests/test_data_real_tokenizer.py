@@ -12,14 +12,14 @@ from transformers import AutoTokenizer
 from finetune.config.names import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt, encode
 from finetune.errors import FinetuneError
-from finetune.models.gguf_import import gguf_path
+from finetune.models.source import model_source
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    path = gguf_path("smollm2-135m")  # the catalog's file, located as `--model smollm2-135m` does
+    path = model_source("smollm2-135m").gguf  # the catalog's file, located as `--model smollm2-135m` does
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

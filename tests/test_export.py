@@ -10,7 +10,7 @@ from helpers import train_steps
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.checkpoint.layout import CheckpointError
+from finetune.errors import CheckpointError
 from finetune.cli import main as cli
 from finetune.export.safetensors import export, find_trained, parse_size
 

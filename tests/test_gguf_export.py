@@ -9,8 +9,9 @@ import torch
 from helpers import train_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from finetune.errors import GgufExportError
 from finetune.cli import main as cli
-from finetune.export.gguf import GgufExportError, export_gguf
+from finetune.export.gguf import export_gguf
 
 MESSAGES = [{"role": "user", "content": "What is 7 plus 7?"}]
 # largest |gguf logit - exported logit| as a fraction of the largest |logit|: f16 keeps 11 significant

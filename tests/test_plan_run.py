@@ -151,7 +151,7 @@ def test_launch_command_resolves_to_the_planned_workload(name, tmp_path):
     write_configs(chosen, tmp_path)
     run = run_of_plan(chosen, tmp_path, tmp_path / "out")
     assert from_run(run, chosen.workload.gpu) == chosen.workload
-    assert "--precision " + chosen.workload.precision in launch_command(chosen)
+    assert "--precision " + chosen.workload.precision.name in launch_command(chosen)
 
 
 def test_dry_run_prints_the_plan_with_what_the_trainer_builds(tmp_path):
@@ -217,7 +217,7 @@ def test_dry_run_prints_this_runs_command_and_what_writes_its_files(tmp_path, mo
     launch = Launch.from_accelerate_config(str(tmp_path / "plan" / "accelerate.yaml"), 2)
     run = resolve_run(command.config, launch, device_of(gpus.get("A100-40GB")), command.given)
     w = from_run(run, gpus.get("A100-40GB"))
-    assert (w.strategy, w.offload, w.precision, w.micro_batch_size) == ("fsdp", only["offload"], only["precision"], 2)
+    assert (w.strategy.name, w.offload, w.precision.name, w.micro_batch_size) == ("fsdp", only["offload"], only["precision"], 2)
 
 
 def test_dry_run_of_one_process_needs_no_files():

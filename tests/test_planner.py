@@ -173,7 +173,7 @@ def test_recommendation_is_fastest_fitting_and_reasons_name_losers():
     assert best == 0 and plans[0].fits
     fitting = [p for p in plans if p.fits]
     assert max(p.speed.tokens_per_second for p in fitting) <= plans[0].speed.tokens_per_second * 1.04
-    zero2 = next(p for p in plans if p.workload.strategy == "zero2" and p.workload.offload == "none")
+    zero2 = next(p for p in plans if p.workload.strategy.name == "zero2" and p.workload.offload == "none")
     assert not zero2.fits and "optimizer states alone" in zero2.reasons[0]
 
 

@@ -65,7 +65,7 @@ def build(w: Workload, compute_dtype):
                     for name, child in list(block.named_children()):
                         if name in LINEARS:
                             setattr(block, name, Linear4bitStandIn(child.in_features, child.out_features, bias=False, dtype=compute_dtype))
-            if w.kbit_upcast or w.precision_spec.mixed:
+            if w.kbit_upcast or w.precision.mixed:
                 for name, param in model.named_parameters():
                     if not any(linear in name for linear in LINEARS):
                         param.data = param.data.float()
@@ -79,7 +79,7 @@ def simulated_peak(w: Workload) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    compute_dtype = torch.float16 if w.precision.startswith("fp16") else torch.bfloat16
+    compute_dtype = torch.float16 if w.precision.compute == "float16" else torch.bfloat16
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build(w, compute_dtype)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -93,7 +93,7 @@ def simulated_peak(w: Workload) -> int:
         with tracker:
             for _ in range(2):
                 tracker.reset_mod_stats()
-                with torch.autocast("cpu", dtype=compute_dtype, enabled=w.precision_spec.autocast):
+                with torch.autocast("cpu", dtype=compute_dtype, enabled=w.precision.autocast):
                     loss = model(input_ids=batch, labels=batch).loss
                 loss.backward()
                 optimizer.step()

@@ -74,7 +74,7 @@ def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_p
 
     spec = resolve_model(shrunk_model(tmp_path / "model", "llama-7b", 2))
     plans, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", offload="none", seq_len=512))
-    by_strategy = {p.workload.strategy: p for p in plans}
+    by_strategy = {p.workload.strategy.name: p for p in plans}
     text = simulation_text([by_strategy["zero2"], by_strategy["ddp"], by_strategy["fsdp"]], 0)
     assert text.startswith("--simulate checks full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without "
                            "offload; the recommended plan is ZeRO-2 (DDP's reducer and the DeepSpeed engine are not simulated).")

@@ -21,6 +21,7 @@ from test_strategies_distributed import STEPS, retrain
 from transformers import AutoModelForCausalLM
 
 from finetune.models import gguf_import
+from finetune.models.source import model_source
 from finetune.models import loading
 from finetune.launch import rehearse
 from finetune.models.catalog import get
@@ -95,7 +96,7 @@ def greedy(model, tokenizer, questions: list[str] = QUESTIONS, new_tokens: int =
 
 
 def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
-    gguf = gguf_import.gguf_path("smollm2-135m")
+    gguf = model_source("smollm2-135m").gguf
     source = json.loads((smollm2_dir / gguf_import.SOURCE_FILE).read_text())
     assert (source["gguf_file"], source["size"]) == (str(gguf), gguf.stat().st_size)
     config = json.loads((smollm2_dir / "config.json").read_text())
@@ -118,7 +119,7 @@ def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
 def test_a_second_run_reuses_the_converted_folder(smollm2_dir):
     weights = smollm2_dir / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    assert loading.materialize(TrainConfig(model=str(gguf_import.gguf_path("smollm2-135m")))) == str(smollm2_dir)
+    assert loading.materialize(TrainConfig(model=str(model_source("smollm2-135m").gguf))) == str(smollm2_dir)
     assert weights.stat().st_mtime_ns == written
 
 

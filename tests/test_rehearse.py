@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from finetune.errors import ConfigError
 from finetune.launch import rehearse
 from finetune.config.options import TrainConfig, base_lr, parse_command
 
@@ -56,6 +57,27 @@ def test_rehearsal_config_keeps_what_decides_the_code_path(tmp_path):
     pinned = rehearse.rehearsal_config(TrainConfig(micro_batch_size=4, gradient_accumulation_steps=8), tmp_path / "model",
                                        tmp_path / "run", steps=3, pinned=frozenset(rehearse.PINNABLE))
     assert (pinned.micro_batch_size, pinned.gradient_accumulation_steps, pinned.global_batch_size) == (4, 8, None)
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("distributed_type: MULTI_GPU\nnum_processes: [2\n", "expected ',' or ']'"),
+    ("distributed_type: MULTI_GPU\nnum_processes: all\n", "num_processes must be a whole number, got 'all'"),
+    ("distributed_type: EVERYWHERE\n", "'EVERYWHERE' is not a valid DistributedType"),
+    ("num_processes: 2\n", "A `distributed_type` must be specified"),
+    ("- a list\n", "not a mapping of settings"),
+])
+def test_a_malformed_accelerate_config_is_one_error_naming_file_and_setting(tmp_path, text, says):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        rehearse.real_world_size(str(path))
+    assert str(raised.value).startswith(f"accelerate config {path}: ") and says in str(raised.value)
+
+
+def test_accelerate_config_without_num_processes_names_none(tmp_path):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    assert rehearse.real_world_size(str(path)) is None and rehearse.processes_for(str(path)) == 2
 
 
 def test_processes_and_launch_command(tmp_path):

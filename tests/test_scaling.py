@@ -32,7 +32,7 @@ def test_model_efficiency_from_measured_times():
     """The planner's DDP model: an all-reduce shorter than 70 % of the backward hides, except the
     last bucket; a longer one shows."""
     w = from_run(resolve_run(TrainConfig(), Launch.from_accelerate_config(None, 2), Device()), CPU)
-    assert w.strategy == "ddp" and w.world_size == 2
+    assert w.strategy.name == "ddp" and w.world_size == 2
     update = 0.4  # s, one process
     hidden = model_efficiency(w, update, all_reduce_seconds=0.001)
     exposed = model_efficiency(w, update, all_reduce_seconds=0.5)

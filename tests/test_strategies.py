@@ -9,8 +9,8 @@ import re
 import pytest
 from helpers import REPO
 
-from finetune.config.options import ConfigError, TrainConfig
-from finetune.errors import FinetuneError
+from finetune.config.options import TrainConfig
+from finetune.errors import ConfigError, FinetuneError
 from finetune.config.resolve import Device, Launch, resolve_precision, resolve_run
 from finetune.train.run import resolve
 from finetune.train.accelerator import build_accelerator, describe_setup, fsdp_plugin_from_launch

@@ -89,7 +89,7 @@ def test_ds_config_agrees_with_the_planner_after_resolution(name):
     shipped, _ = load_accelerate_config(name)
     config = TrainConfig(micro_batch_size=w.micro_batch_size, gradient_accumulation_steps=w.gradient_accumulation_steps)
     run = deepspeed_json.RunValues.from_config(config, BatchShape(w.micro_batch_size, w.gradient_accumulation_steps,
-                                                                  w.world_size), w.precision, 1e-4, w.model.hidden_size)
+                                                                  w.world_size), w.precision.name, 1e-4, w.model.hidden_size)
     ours, _ = deepspeed_json.resolve(deepspeed_json.load(REPO / shipped["deepspeed_config"]["deepspeed_config_file"]),
                                      name, run)
     theirs, _ = deepspeed_json.resolve(deepspeed_config(chosen), "ds_config.json", run)

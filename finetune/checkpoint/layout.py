@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import FinetuneError
+from finetune.errors import CheckpointError
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -16,9 +16,6 @@ INCOMPLETE = ".incomplete"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_VERSION = 1
 
-
-class CheckpointError(FinetuneError):
-    """A checkpoint that cannot be resumed or exported; the message says why and what to do."""
 
 
 def step_dir_name(step: int) -> str:

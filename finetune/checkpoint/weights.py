@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from finetune.checkpoint.layout import CheckpointError
+from finetune.errors import CheckpointError
 
 
 class Weights:

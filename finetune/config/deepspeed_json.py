@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config.options import BatchShape, ConfigError, TrainConfig
+from finetune.errors import ConfigError
+from finetune.config.options import BatchShape, TrainConfig
 from finetune.config.names import PRECISIONS
 
 

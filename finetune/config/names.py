@@ -8,14 +8,19 @@ checkpoints all name the same thing the same way. No torch import: the planner s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from finetune.errors import FinetuneError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the label of a token the loss skips (prompt, padding): PyTorch's and transformers' ignore_index
 IGNORE_INDEX = -100
-METHODS = ("full", "lora", "qlora")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch AdamW, bitsandbytes 8-bit (paged) AdamW
+Method = Literal["full", "lora", "qlora"]
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]  # torch AdamW, bitsandbytes 8-bit (paged) AdamW
+Offload = Literal["none", "optimizer", "params"]  # what moves to host RAM, least first
+METHODS: tuple[str, ...] = get_args(Method)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,11 @@ class Precision:
         return self.accelerate != "no"
 
     @property
+    def fp32(self) -> bool:
+        """Everything in fp32: no autocast, no 16-bit matmuls."""
+        return self.compute == "float32"
+
+    @property
     def residual_bytes(self) -> int:
         """The residual stream's dtype: the embedding's (the weights'), since autocast leaves the
         embedding lookup, the norms and the residual adds alone."""
@@ -75,17 +85,17 @@ def default_precision(method: str, bf16: bool) -> Precision:
     return PRECISIONS[f"{family}-mixed" if method == "full" else f"{family}-true"]
 
 
-def check_precision(precision: Precision, method: str, strategy: str) -> None:
+def check_precision(precision: Precision, method: str, strategy: Strategy | None) -> None:
     """Refuse combinations that would not run as named: fp16 weights cannot be updated stably
     (Accelerate's loss scaler refuses to unscale fp16 gradients), and Accelerate's FSDP2 upcasts
     16-bit trainable weights to fp32 master weights, which would make bf16-true full fine-tuning
     silently bf16-mixed."""
-    if precision.name == "fp16-true" and method == "full":
+    if precision.weights == "float16" and method == "full":
         raise FinetuneError(
             "--precision fp16-true keeps the weights in fp16, which full fine-tuning cannot update stably "
             "(fp16 gradients cannot be unscaled). Use --precision fp16-mixed (fp32 master weights) or LoRA/QLoRA."
         )
-    if precision.name == "bf16-true" and method == "full" and strategy == "fsdp":
+    if precision.weights == "bfloat16" and method == "full" and strategy is not None and strategy.fsdp:
         raise FinetuneError(
             "--precision bf16-true with full fine-tuning under FSDP2: Accelerate keeps fp32 master weights for "
             "trainable parameters under FSDP2, so the run would be bf16-mixed. Use --precision bf16-mixed."
@@ -109,6 +119,26 @@ class Strategy:
         return self.distributed_type == "DEEPSPEED"
 
     @property
+    def fsdp(self) -> bool:
+        return self.distributed_type == "FSDP"
+
+    @property
+    def computes_on_copies(self) -> bool:
+        """FSDP2's mixed precision and DeepSpeed compute with 16-bit copies of the weights they hold,
+        so autocast never casts a weight and the residual stream runs in the compute dtype."""
+        return self.fsdp or self.deepspeed
+
+    @property
+    def distributed(self) -> bool:
+        """Needs several ranks (every strategy but `single`)."""
+        return self.distributed_type != "NO"
+
+    @property
+    def ddp(self) -> bool:
+        """Several ranks, each with whole weights, gradients and optimizer states (all-reduce)."""
+        return self.distributed_type == "MULTI_GPU"
+
+    @property
     def zero_stage(self) -> int | None:
         return int(self.name[-1]) if self.deepspeed else None
 
@@ -123,7 +153,16 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero2", "ZeRO-2", "DEEPSPEED", False, True, True, ("none", "optimizer")),
     Strategy("zero3", "ZeRO-3", "DEEPSPEED", True, True, True, ("none", "optimizer", "params")),
 )}
-OFFLOADS = ("none", "optimizer", "params")
+
+
+def named(table: dict, value, flag: str):
+    """The entry of `table` (STRATEGIES, PRECISIONS) that `value` names; an entry passes through.
+    Lets a Workload or Request be written with names (`strategy="ddp"`) and still hold the object."""
+    if not isinstance(value, str):
+        return value
+    if value not in table:
+        raise FinetuneError(f"{flag} {value!r} is not one of {', '.join(table)}")
+    return table[value]
 
 
 def zero_strategy(stage: int, source: str) -> Strategy:

@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from finetune.models import catalog, source
-from finetune.errors import FinetuneError
+from finetune.errors import ConfigError
 from finetune.config.names import METHODS, OPTIMIZERS, PRECISIONS
 
 FORMATS = ("auto", "alpaca", "chat", "sharegpt", "text")
@@ -26,9 +26,6 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISION_CHOICES = ("auto", *PRECISIONS)
 REPORT_TO = ("none", "tensorboard", "wandb")
 
-
-class ConfigError(FinetuneError):
-    """A configuration problem the user can fix; the message says how."""
 
 
 def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
-from finetune.config.options import EVERY_OPTION, BatchShape, ConfigError, TrainConfig, resolve_batch_shape, scaled_lr, validate
+from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
 
 # how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
@@ -76,7 +77,7 @@ class Launch:
     def from_accelerate_config(cls, path: str | None, num_processes: int) -> Launch:
         """What `accelerate launch [--config_file path] --num_processes N` announces to each
         process, read from the file instead of the environment (no file: `--multi_gpu`)."""
-        settings = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+        settings = read_accelerate_config(path) if path else {}
         kind = str(settings.get("distributed_type", "MULTI_GPU")).upper()
         fsdp, deepspeed = settings.get("fsdp_config") or {}, settings.get("deepspeed_config") or {}
         mixed = str(settings.get("mixed_precision") or "no")
@@ -92,6 +93,35 @@ class Launch:
             deepspeed_zero_stage=deepspeed.get("zero_stage"),
             mixed_precision=None if mixed == "no" else mixed,
         )
+
+
+# settings of an accelerate config that are counts; Accelerate's loader leaves their types unchecked
+ACCELERATE_INTEGERS = ("num_processes", "num_machines", "machine_rank", "fsdp_config.fsdp_version",
+                       "deepspeed_config.zero_stage")
+
+
+def read_accelerate_config(path: str | Path) -> dict:
+    """The accelerate config file at `path` as `accelerate launch` reads it (Accelerate's own loader:
+    YAML or JSON, defaults filled in, distributed_type checked), as a dict without `num_processes`
+    when the file sets none. Raises ConfigError naming the file and the setting, instead of a yaml
+    or ValueError traceback. Accelerate's loader imports torch: only runs that read a file pay it."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        settings = load_config_from_file(str(path)).to_dict()
+    except FileNotFoundError as e:
+        raise ConfigError(f"accelerate config {path}: no such file.") from e
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError) as e:
+        detail = " ".join(str(e).split()) if not isinstance(e, AttributeError) else "it is not a mapping of settings"
+        raise ConfigError(f"accelerate config {path}: {detail}") from e
+    for key in ACCELERATE_INTEGERS:
+        section, _, name = key.rpartition(".")
+        value = (settings.get(section) or {}).get(name) if section else settings.get(key)
+        if value is not None and type(value) is not int:
+            raise ConfigError(f"accelerate config {path}: {key} must be a whole number, got {value!r}.")
+    if settings.get("num_processes") == -1:  # Accelerate's marker for "not set"
+        del settings["num_processes"]
+    return settings
 
 
 @dataclass(frozen=True)
@@ -133,7 +163,6 @@ class ResolvedRun:
     offload: str  # none | optimizer | params
     launch: Launch
     deepspeed: DeepSpeedSetup | None
-    random_init: bool = False  # a catalog shape without published weights (`tiny`): written once, seeded
     max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
 
     @property
@@ -158,7 +187,8 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     written = deepspeed_as_written(config, launch)
     adopted = {} if written is None else deepspeed_json.adopt(written.config, config, given)
     config = with_adopted(config, adopted, written)
-    source, spec = model_source.resolve_source(config.model, config.output_dir)
+    model = model_source.model_source(config.model, config.output_dir)
+    spec = model.spec
     batch = resolve_batch_shape(config, launch.world_size)
     family = launch.mixed_precision or (None if written is None else deepspeed_json.precision_family(written.config))
     precision = resolve_precision(config.precision, config.method, device, family)
@@ -184,10 +214,10 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
         strategy, offload = STRATEGIES["fsdp"], "params" if launch.fsdp_offload_params else "none"
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
-    check_precision(precision, config.method, strategy.name)
-    return ResolvedRun(config=config, source=source, spec=spec or model_source.architecture_of(config.model), batch=batch,
-                       peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload, launch=launch,
-                       deepspeed=deepspeed, random_init=spec is not None and spec.random_init)
+    check_precision(precision, config.method, strategy)
+    return ResolvedRun(config=config, source=model.weights, spec=spec or model_source.architecture_of(config.model),
+                       batch=batch, peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload,
+                       launch=launch, deepspeed=deepspeed)
 
 
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:

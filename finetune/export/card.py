@@ -12,8 +12,13 @@ import yaml
 
 import finetune
 from finetune.checkpoint.layout import MANIFEST
+from finetune.errors import FinetuneError
+from finetune.models.catalog import looks_like_path
+from finetune.models.gguf_import import file_type as gguf_file_type
+from finetune.models.source import ModelSource, model_source
 from finetune.train.metrics import read_metrics
 
+TEMPLATE = Path(__file__).with_name("model_card_template.md")  # shipped as package data (pyproject.toml)
 # licenses of catalogued base models, by Hub id prefix (the model pages' `license:` fields)
 LICENSES = {
     "meta-llama/Llama-2-": "llama2",
@@ -67,15 +72,17 @@ def read_run_record(trained) -> RunRecord:
 def base_model_id(config: dict) -> str | None:
     """The Hub id of the model the run started from: a catalog entry's (or the repo its GGUF was
     converted from), or --model itself when it names a Hub repo (not a local path or file)."""
-    from finetune.models.catalog import lookup
+    source = _model_source(config)
+    return source.hub_id if source is not None else None
 
-    model = config["model"]
-    spec = lookup(model)
-    if spec is not None:
-        return spec.hf_id or spec.converted_from
-    if model.count("/") == 1 and not Path(model).exists() and not model.endswith((".gguf", ".safetensors")):
-        return model
-    return None
+
+def _model_source(config: dict) -> ModelSource | None:
+    """What the run's --model was (see models.source), or None when it can no longer be told (a GGUF
+    file moved away since training, the package that shipped it uninstalled)."""
+    try:
+        return model_source(str(config["model"]), config.get("output_dir") or ".")
+    except FinetuneError:
+        return None
 
 
 def license_of(hub_id: str | None) -> str | None:
@@ -83,27 +90,28 @@ def license_of(hub_id: str | None) -> str | None:
 
 
 def model_card(record: RunRecord, export_format: str, title: str) -> str:
-    """The card's text: YAML front matter in the Hub's model-card format, then a Markdown body."""
-    from huggingface_hub import ModelCardData
+    """The card's text: huggingface_hub's ModelCard from the template shipped beside this module
+    (YAML front matter in the Hub's model-card format, then a Markdown body)."""
+    from huggingface_hub import ModelCard, ModelCardData
 
     config, resolved = dict.fromkeys(CARD_OPTIONS, "?") | record.config, record.resolved
-    base = base_model_id(config)
+    source = _model_source(config)
+    base = source.hub_id if source is not None else None
     method = config["method"] if config["method"] in METHOD_NAMES else "full"
     gguf = export_format.startswith("GGUF")
     adapter = export_format == "PEFT adapter"
-    dataset = config["dataset"] or "?"
-    hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
+    dataset, hub_dataset = _dataset_name(config["dataset"])
     data = ModelCardData(
         base_model=base, license=license_of(base), pipeline_tag="text-generation",
         library_name="gguf" if gguf else "peft" if adapter else "transformers",
         datasets=[hub_dataset] if hub_dataset else None,
         tags=["finetune", "full-fine-tuning" if method == "full" else method] + (["gguf"] if gguf else []),
     )
-    summary = f"{METHOD_NAMES[method]} of `{base or config['model']}` with finetune {finetune.__version__}, exported as {export_format}."
-    lines = [f"# {title}", "", summary, "",
-             "## Training", "", "| | |", "|---|---|"]
+    model = _model_name(config["model"], source)
+    summary = f"{METHOD_NAMES[method]} of `{base or model}` with finetune {finetune.__version__}, exported as {export_format}."
     rows = {
-        "base model": f"`{config['model']}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else ""),
+        "base model": f"`{model}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else ""),
+        **({"base weights": _gguf_provenance(source.gguf)} if source is not None and source.gguf is not None else {}),
         "method": METHOD_NAMES[method] + (
             f": r={config['lora_r']}, alpha={config['lora_alpha']}, dropout={config['lora_dropout']}, "
             f"targets {config['lora_targets']}" if method != "full" else ""),
@@ -120,11 +128,33 @@ def model_card(record: RunRecord, export_format: str, title: str) -> str:
         "strategy": resolved.get("strategy", "?"),
         "seed": config["seed"],
     }
-    lines += [f"| {k} | {v} |" for k, v in rows.items()]
-    lines += ["", "## Evaluation", ""]
-    lines += _eval_table(record.evals) or ["No evaluation was recorded (the run had --max-eval-examples 0 or no eval split)."]
-    lines += ["", "## Use", "", *_usage(gguf, adapter, base), ""]
-    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+    evaluation = _eval_table(record.evals) or ["No evaluation was recorded (the run had --max-eval-examples 0 or no eval split)."]
+    card = ModelCard.from_template(data, template_path=str(TEMPLATE), title=title, summary=summary, rows=rows.items(),
+                                   evaluation="\n".join(evaluation), usage="\n".join(_usage(gguf, adapter, base)))
+    return str(card) + "\n"
+
+
+def _dataset_name(dataset: str | None) -> tuple[str, str | None]:
+    """How the card names the data, and its Hub id if it is one: a Hub dataset as is, a local file by
+    its name only (what --push-to-hub uploads must not carry the trainer's directories)."""
+    if not dataset or dataset == "?":
+        return "?", None
+    if dataset.count("/") == 1 and not looks_like_path(dataset) and not Path(dataset).exists():
+        return dataset, dataset
+    return Path(dataset).name, None
+
+
+def _model_name(model: str, source: ModelSource | None) -> str:
+    """--model as the card shows it: a catalog name or Hub id as given, a local folder or file by its name only."""
+    if source is not None and source.kind in ("local", "gguf") and source.spec is None:
+        return Path(model).name
+    return model
+
+
+def _gguf_provenance(path: Path) -> str:
+    """Which GGUF file the base weights were dequantised from, and the type its weights were stored in."""
+    stored = gguf_file_type(path)
+    return f"dequantised from {path.name}" + (f" ({stored})" if stored else "")
 
 
 def _eval_table(evals: list[dict]) -> list[str]:

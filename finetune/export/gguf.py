@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.checkpoint.layout import CheckpointError
+from finetune.errors import GgufExportError
 from finetune.export.card import write_model_card
 from finetune.export.safetensors import export, find_trained, new_out_dir
 
@@ -33,9 +33,6 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama"}
 # tokenizers' pre-tokenizer layouts → llama.cpp's name for the same text split (llama-vocab.cpp)
 PRE_TOKENIZERS = {("ByteLevel",): "gpt-2", ("Digits", "ByteLevel"): "smollm"}
 
-
-class GgufExportError(CheckpointError):
-    """The model or tokenizer has no GGUF form this version writes."""
 
 
 def gguf_filename(gguf_type: str) -> str:

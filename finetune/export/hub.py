@@ -7,21 +7,19 @@ happens to the upload.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
-from finetune.errors import FinetuneError
+from finetune.errors import HubError
 
-
-class HubError(FinetuneError):
-    """The Hub cannot be reached, or refused the upload."""
+LATER = "or drop --push-to-hub, export locally, and upload the folder later with `hf upload`"
 
 
-def check_can_push(repo_id: str, timeout: float = 5.0) -> None:
-    """Raise HubError unless `repo_id` is a valid repo id, the Hub is reachable and a token is set."""
-    from huggingface_hub import constants, get_token
-    from huggingface_hub.errors import HFValidationError
+def check_can_push(repo_id: str) -> None:
+    """Raise HubError unless `repo_id` is a valid repo id and the Hub accepts this machine's token:
+    `HfApi.whoami` reaches the Hub with the token, so a revoked token fails here, before the
+    export is written, rather than at the upload after it."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
     from huggingface_hub.utils import validate_repo_id
 
     try:
@@ -30,16 +28,28 @@ def check_can_push(repo_id: str, timeout: float = 5.0) -> None:
         raise HubError(f"--push-to-hub {repo_id!r}: {e} Use the form user/model-name.") from e
     if constants.is_offline_mode():
         raise HubError(f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded. Unset it "
-                       "(or drop --push-to-hub, export locally, and upload the folder later with `hf upload`).")
-    endpoint = urlparse(constants.ENDPOINT)
+                       f"({LATER}).")
     try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
-    except OSError as e:
-        raise HubError(f"--push-to-hub {repo_id}: cannot reach {constants.ENDPOINT} ({e}). Check the network "
-                       "(or drop --push-to-hub, export locally, and upload the folder later with `hf upload`).") from e
-    if get_token() is None:
+        HfApi().whoami()
+    except LocalTokenNotFoundError as e:
         raise HubError(f"--push-to-hub {repo_id}: not logged in to the Hugging Face Hub; run `hf auth login` "
-                       "or set HF_TOKEN.")
+                       "or set HF_TOKEN.") from e
+    except HfHubHTTPError as e:
+        raise HubError(f"--push-to-hub {repo_id}: the Hub refused this machine's token ({str(e).splitlines()[0]}) "
+                       "Run `hf auth login --force` with a valid token, or set HF_TOKEN to one.") from e
+    except (_http_library_error(), OSError) as e:
+        raise HubError(f"--push-to-hub {repo_id}: cannot reach {constants.ENDPOINT} ({e}). Check the network "
+                       f"({LATER}).") from e
+
+
+def _http_library_error() -> type[Exception]:
+    """The base error of the HTTP library huggingface_hub talks through (connection refused, DNS,
+    timeouts): httpx, or httpx2 in newer huggingface_hub releases."""
+    try:
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    return http.HTTPError
 
 
 def push(folder: Path, repo_id: str, private: bool = False) -> str:

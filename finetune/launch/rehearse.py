@@ -28,7 +28,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from finetune.config import deepspeed_json
 from finetune.models import catalog
@@ -37,7 +36,7 @@ from finetune.config.options import EVERY_OPTION, TrainConfig, base_lr, parse_co
 from finetune.errors import FinetuneError
 from finetune.train.metrics import read_metrics
 from finetune.library_logs import quiet_libraries
-from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, ResolvedRun, resolve_run
+from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, ResolvedRun, read_accelerate_config, resolve_run
 from finetune.train.accelerator import free_port
 from finetune.config.names import STRATEGIES
 
@@ -94,10 +93,10 @@ def shrunk_model_config(config: TrainConfig):
     from finetune.models import gguf_import
     from finetune.models import source as model_source
 
-    source, spec = model_source.resolve_source(config.model, config.output_dir)
-    gguf = gguf_import.gguf_path(config.model)
-    if spec is None and gguf is not None:  # a .gguf path: its config is the converted folder's, written once
-        gguf_import.convert(gguf, Path(source))
+    model = model_source.model_source(config.model, config.output_dir)
+    source, spec = model.weights, model.spec
+    if spec is None and model.kind == "gguf":  # a .gguf path: its config is the converted folder's, written once
+        gguf_import.convert(model.gguf, Path(source))
     try:
         original = (spec.to_hf_config_dict() if spec is not None else
                     AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code).to_dict())
@@ -140,8 +139,7 @@ def real_world_size(accelerate_config: str | None) -> int | None:
     """num_processes of the accelerate config (all machines together), None when it names none."""
     if accelerate_config is None:
         return None
-    processes = (yaml.safe_load(Path(accelerate_config).read_text()) or {}).get("num_processes")
-    return int(processes) if processes else None
+    return read_accelerate_config(accelerate_config).get("num_processes")
 
 
 def describe_real_run(real: ResolvedRun, accelerate_config: str | None) -> str:
@@ -252,8 +250,7 @@ def processes_for(accelerate_config: str | None) -> int:
     path = Path(accelerate_config)
     if not path.is_file():
         raise FinetuneError(f"rehearse: --config_file {accelerate_config}: no such file (see accelerate_configs/)")
-    launch = yaml.safe_load(path.read_text()) or {}
-    return 1 if str(launch.get("distributed_type", "NO")).upper() == "NO" else 2
+    return 1 if read_accelerate_config(path)["distributed_type"] == "NO" else 2
 
 
 def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, steps: int = 3,

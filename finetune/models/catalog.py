@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from finetune.errors import FinetuneError
+from finetune.errors import UnknownModelError
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,6 @@ ALIASES: dict[str, str] = {
     "smollm2-135m-instruct": "smollm2-135m",
 }
 
-
-class UnknownModelError(FinetuneError):
-    pass
 
 
 def lookup(name: str) -> ModelSpec | None:

@@ -57,23 +57,6 @@ def packaged_file(package: str, relative: str, name: str) -> Path:
     return path
 
 
-def gguf_path(model: str) -> Path | None:
-    """The GGUF file a --model value names: a catalog entry whose weights are a GGUF, or a `.gguf`
-    path (checked: it exists and is a GGUF file); None for anything else."""
-    from finetune.models import catalog
-
-    spec = catalog.lookup(model)
-    if spec is not None and spec.gguf_file is not None:
-        if spec.gguf_package is not None:
-            return packaged_file(spec.gguf_package, spec.gguf_file, spec.name)
-        return Path(spec.gguf_file)
-    if not is_gguf(model):
-        return None
-    path = Path(model).expanduser().resolve()
-    check_file(path, model)
-    return path
-
-
 def check_file(path: Path, name: str) -> None:
     """Raise FinetuneError unless `path` is a readable GGUF file."""
     if not path.is_file():
@@ -103,32 +86,49 @@ def _reader(path: Path):
 
 
 def hf_config(path: Path) -> dict:
-    """The config.json fields the planner counts, from the file's metadata: `{arch}.block_count`
-    and friends, as transformers maps them for Llama-like architectures (tests compare the two)."""
-    reader = _reader(path)
+    """The config.json fields the planner counts, from the file's metadata: `{arch}.block_count` and
+    friends renamed by transformers' own GGUF_CONFIG_MAPPING (the table its GGUF loader uses), plus
+    what the metadata leaves implicit (vocabulary from the token list, tied head and q/k/v biases
+    from which tensors exist). The mapping is imported here: transformers' package init costs about
+    a second (no torch), paid only by `--model x.gguf`."""
+    reader = _reader(path)  # first: a missing gguf package gets its install command
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     def value(key: str, default=None):
         field = reader.fields.get(key)
         return default if field is None else field.contents()
 
     arch = value("general.architecture")
-    heads = value(f"{arch}.attention.head_count")
-    hidden = value(f"{arch}.embedding_length")
+    config = {"model_type": arch}
+    for suffix, name in GGUF_CONFIG_MAPPING.get(arch, {}).items():
+        if name is not None and value(f"{arch}.{suffix}") is not None:
+            config[name] = value(f"{arch}.{suffix}")
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
     tensors = {tensor.name for tensor in reader.tensors}
-    config = {
-        "model_type": arch, "num_hidden_layers": value(f"{arch}.block_count"), "hidden_size": hidden,
-        "intermediate_size": value(f"{arch}.feed_forward_length"), "num_attention_heads": heads,
-        "num_key_value_heads": value(f"{arch}.attention.head_count_kv", heads), "vocab_size": vocab,
-        "max_position_embeddings": value(f"{arch}.context_length"),
-        "rope_theta": value(f"{arch}.rope.freq_base", 10000.0),
-        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+    implicit = {
+        "num_key_value_heads": heads, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "vocab_size": len(tokens.data) if tokens is not None else None,
         "head_dim": value(f"{arch}.attention.key_length") or (hidden // heads if hidden and heads else None),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "tie_word_embeddings": "output.weight" not in tensors, "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
+    config |= {key: item for key, item in implicit.items() if config.get(key) is None}
     return {key: item for key, item in config.items() if item is not None}
+
+
+def file_type(path: Path) -> str | None:
+    """The type the file stores its weights in, as llama.cpp names it (Q4_1, Q8_0, F16), from its
+    `general.file_type`; None when the file, the gguf package or the field is missing."""
+    try:
+        field = _reader(path).fields.get("general.file_type")
+    except (FinetuneError, OSError):
+        return None
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(field.contents()).name.removeprefix("MOSTLY_") if field is not None else None
+    except ValueError:
+        return None
 
 
 def is_converted(entry: Path) -> bool:

@@ -29,18 +29,15 @@ from finetune.config.resolve import ResolvedRun
 
 
 def materialize(config: TrainConfig) -> str:
-    """The run's weights source (see `resolve_source`), after writing it when finetune makes it
+    """The run's weights source (`ModelSource.weights`), after writing it when finetune makes it
     itself: a catalog shape's seeded random init, or the conversion of a GGUF file. Every process
     may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`)."""
-    source, spec = model_source.resolve_source(config.model, config.output_dir)
-    if Path(config.model).is_dir():
-        return source
-    gguf = gguf_import.gguf_path(config.model)
-    if gguf is not None:
-        gguf_import.convert(gguf, Path(source))
-    elif spec is not None and spec.random_init:
-        materialize_random_init(spec, Path(source), seed=config.seed)
-    return source
+    model = model_source.model_source(config.model, config.output_dir)
+    if model.kind == "gguf":
+        gguf_import.convert(model.gguf, Path(model.weights))
+    elif model.kind == "random-init":
+        materialize_random_init(model.spec, Path(model.weights), seed=config.seed)
+    return model.weights
 
 
 def materialize_random_init(spec: catalog.ModelSpec, directory: Path, seed: int,

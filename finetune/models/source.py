@@ -5,8 +5,9 @@ or a Hugging Face id; where its weights load from; and its architecture as the p
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from finetune.errors import FinetuneError
 from finetune.models import catalog, gguf_import
@@ -23,22 +24,68 @@ SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_k
                "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
 
 
-def resolve_source(model: str, output_dir: str | Path) -> tuple[str, ModelSpec | None]:
-    """Where the weights of `--model` load from (local dir or Hub id) and the catalog entry, if any.
-    Cheap: the folders finetune writes itself (a random init under `output_dir`, a converted GGUF) are
-    named here and written by `loading.materialize`. `model_problem` has already refused names that are
-    none of these."""
+SourceKind = Literal["catalog", "random-init", "gguf", "local", "hub"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `--model` names, decided once: every place that loads, plans, rehearses or describes the
+    model (the model card included) reads this instead of guessing from the string again."""
+
+    name: str  # --model as given
+    kind: SourceKind  # catalog: published weights on the Hub; random-init: a shape finetune seeds itself;
+    # gguf: a .gguf file or a catalog entry shipping one; local: a model directory (or another path);
+    # hub: a Hugging Face id (org/name)
+    weights: str  # where the weights load from: a local directory or a Hub id
+    spec: ModelSpec | None  # the catalog entry, if --model names one
+    gguf: Path | None = None  # the GGUF file the weights are dequantised from
+
+    @property
+    def written_by_finetune(self) -> bool:
+        """The weights folder is finetune's own (a seeded random init, a converted GGUF), written by
+        `loading.materialize` on first use."""
+        return self.kind in ("random-init", "gguf")
+
+    @property
+    def hub_id(self) -> str | None:
+        """The Hub repo the weights come from (a GGUF entry: the repo its file was converted from), or
+        None for local files: the model card's base_model."""
+        if self.spec is not None:
+            return self.spec.hf_id or self.spec.converted_from
+        return self.name if self.kind == "hub" else None
+
+
+def model_source(model: str, output_dir: str | Path = ".") -> ModelSource:
+    """The one answer to "what is --model". Cheap: a stat of a GGUF file, no read; the folders
+    finetune writes itself (a random init under `output_dir`, a converted GGUF) are named here and
+    written by `loading.materialize`. `model_problem` has already refused names that are none of
+    these; a GGUF file that is missing or is not one raises FinetuneError."""
     if Path(model).is_dir():
-        return model, None
+        return ModelSource(model, "local", model, None)
     spec = catalog.lookup(model)
-    gguf = gguf_import.gguf_path(model)
+    gguf = _gguf_file(model, spec)
     if gguf is not None:
-        return str(gguf_import.cache_entry(gguf)), spec
+        return ModelSource(model, "gguf", str(gguf_import.cache_entry(gguf)), spec, gguf)
+    if spec is not None and spec.random_init:
+        return ModelSource(model, "random-init", str((Path(output_dir) / "base_model").resolve()), spec)
     if spec is not None:
-        if spec.random_init:
-            return str((Path(output_dir) / "base_model").resolve()), spec
-        return spec.hf_id, spec
-    return model, None  # a Hugging Face id
+        return ModelSource(model, "catalog", spec.hf_id, spec)
+    hub = model.count("/") == 1 and not catalog.looks_like_path(model) and not Path(model).exists()
+    return ModelSource(model, "hub" if hub else "local", model, None)
+
+
+def _gguf_file(model: str, spec: ModelSpec | None) -> Path | None:
+    """The GGUF file `model` names: a catalog entry whose weights are a GGUF, or a `.gguf` path
+    (checked: it exists and is a GGUF file); None for anything else."""
+    if spec is not None and spec.gguf_file is not None:
+        if spec.gguf_package is not None:
+            return gguf_import.packaged_file(spec.gguf_package, spec.gguf_file, spec.name)
+        return Path(spec.gguf_file)
+    if not gguf_import.is_gguf(model):
+        return None
+    path = Path(model).expanduser().resolve()
+    gguf_import.check_file(path, model)
+    return path
 
 
 def model_problem(model: str) -> str | None:

@@ -8,6 +8,7 @@ fitting plan; ties go to fewer GPUs and less offload.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from finetune.plan.gpus import GPUSpec
 from finetune.models.catalog import ModelSpec
@@ -15,7 +16,8 @@ from finetune.errors import FinetuneError
 from finetune.plan.memory import GIB, Breakdown, estimate
 from finetune.plan.speed import Speed, estimate_speed
 from finetune.plan.workload import Workload
-from finetune.config.names import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, check_precision, default_precision
+from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
+                                   Precision, Strategy, check_precision, default_precision, named)
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64
@@ -26,17 +28,19 @@ OFFLOAD_RANK = {name: rank for rank, name in enumerate(OFFLOADS)}
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked: fixed values, or "auto" / None where the planner should choose."""
+    """What the user asked: fixed values, or "auto" / None where the planner should choose.
+    `strategy` and `precision` may be given by name ("zero3", "auto"); the request holds the
+    Strategy and Precision, or None for auto."""
 
     model: ModelSpec
     gpu: GPUSpec
     gpus_per_node: int
     nodes: int = 1
-    method: str = "auto"
-    strategy: str = "auto"
-    offload: str = "auto"
-    precision: str = "auto"
-    optimizer: str = "auto"
+    method: Method | Literal["auto"] = "auto"
+    strategy: Strategy | None = None
+    offload: Offload | Literal["auto"] = "auto"
+    precision: Precision | None = None
+    optimizer: Optimizer | Literal["auto"] = "auto"
     micro_batch_size: int | None = None
     seq_len: int = 2048
     gradient_checkpointing: bool | None = None
@@ -45,6 +49,11 @@ class Request:
     gradient_accumulation_steps: int = 1
     tokens: float | None = None  # training tokens, for hours and cost
     host_memory_gib: float | None = None  # host RAM per node; None: what the GPU's usual instance has
+
+    def __post_init__(self) -> None:
+        for name, table in (("strategy", STRATEGIES), ("precision", PRECISIONS)):
+            value = getattr(self, name)
+            object.__setattr__(self, name, None if value == "auto" else named(table, value, f"--{name}"))
 
     @property
     def host_limit_gib(self) -> float:
@@ -91,31 +100,22 @@ def validate(request: Request) -> None:
     """Every problem with the request at once, each with its fix."""
     problems = []
     choices = {
-        "method": ("auto", *METHODS), "strategy": ("auto", *STRATEGIES), "offload": ("auto", *OFFLOADS),
-        "precision": ("auto", *PRECISIONS), "optimizer": ("auto", *OPTIMIZERS),
+        "method": ("auto", *METHODS), "offload": ("auto", *OFFLOADS), "optimizer": ("auto", *OPTIMIZERS),
     }
     for name, allowed in choices.items():
         if getattr(request, name) not in allowed:
             problems.append(f"--{name} {getattr(request, name)!r} is not one of {', '.join(allowed)}")
     world = request.gpus_per_node * request.nodes
-    if request.strategy == "single" and world > 1:
-        problems.append(f"--strategy single uses one GPU, but {world} were given: use --gpus 1x{request.gpu.name} or a multi-GPU strategy")
-    if request.strategy not in ("auto", "single") and world == 1:
-        problems.append(f"--strategy {request.strategy} needs at least 2 GPUs: use --gpus 2x{request.gpu.name} or --strategy single")
-    strategy = STRATEGIES.get(request.strategy)
-    if strategy is not None and request.offload not in ("auto", *strategy.offloads):
-        problems.append(
-            f"--strategy {request.strategy} cannot offload {request.offload}: it supports "
-            f"{', '.join(strategy.offloads)} (parameter offload needs fsdp or zero3)"
-        )
-    if request.precision.startswith("bf16") and not request.gpu.bf16:
+    strategy, precision = request.strategy, request.precision
+    if strategy is not None:
+        problems.extend(_strategy_problems(strategy, request, world))
+    if precision is not None and precision.compute == "bfloat16" and not request.gpu.bf16:
         problems.append(f"{request.gpu.name} has no bf16: use --precision fp16-true (LoRA/QLoRA), fp16-mixed or fp32")
-    if request.precision in PRECISIONS and request.method in METHODS:
-        for strategy in ([request.strategy] if request.strategy in STRATEGIES else []) or [None]:
-            try:
-                check_precision(PRECISIONS[request.precision], request.method, strategy)
-            except FinetuneError as e:
-                problems.append(str(e))
+    if precision is not None and request.method in METHODS:
+        try:
+            check_precision(precision, request.method, strategy)
+        except FinetuneError as e:
+            problems.append(str(e))
     for name in ("gpus_per_node", "nodes", "seq_len", "lora_r", "gradient_accumulation_steps"):
         if getattr(request, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(request, name)}")
@@ -129,29 +129,44 @@ def validate(request: Request) -> None:
         raise FinetuneError("Cannot plan this request:\n  - " + "\n  - ".join(problems))
 
 
+def _strategy_problems(strategy: Strategy, request: Request, world: int) -> list[str]:
+    """What a fixed --strategy cannot do with the request's GPUs and offload."""
+    problems = []
+    if not strategy.distributed and world > 1:
+        problems.append(f"--strategy {strategy.name} uses one GPU, but {world} were given: "
+                        f"use --gpus 1x{request.gpu.name} or a multi-GPU strategy")
+    if strategy.distributed and world == 1:
+        problems.append(f"--strategy {strategy.name} needs at least 2 GPUs: use --gpus 2x{request.gpu.name} or --strategy single")
+    if request.offload not in ("auto", *strategy.offloads):
+        problems.append(
+            f"--strategy {strategy.name} cannot offload {request.offload}: it supports "
+            f"{', '.join(strategy.offloads)} (parameter offload needs fsdp or zero3)"
+        )
+    return problems
+
+
 def candidates(request: Request) -> list[Workload]:
     """Every method × strategy × offload the request leaves open, with micro batch 1. Combinations
     the trainer would refuse (vocabulary.check_precision) are left out."""
     world = request.gpus_per_node * request.nodes
     methods = METHODS if request.method == "auto" else (request.method,)
-    if request.strategy != "auto":
+    if request.strategy is not None:
         strategies = (request.strategy,)
     else:
-        strategies = ("single",) if world == 1 else tuple(name for name in STRATEGIES if name != "single")
+        strategies = tuple(s for s in STRATEGIES.values() if s.distributed == (world > 1))
     workloads = []
     for method in methods:
-        precision = (default_precision(method, request.gpu.bf16) if request.precision == "auto"
-                     else PRECISIONS[request.precision])
+        precision = request.precision or default_precision(method, request.gpu.bf16)
         for strategy in strategies:
             try:
                 check_precision(precision, method, strategy)
             except FinetuneError:
                 continue
-            offloads = STRATEGIES[strategy].offloads if request.offload == "auto" else (request.offload,)
+            offloads = strategy.offloads if request.offload == "auto" else (request.offload,)
             for offload in offloads:
                 workloads.append(Workload(
                     model=request.model, gpu=request.gpu, gpus_per_node=request.gpus_per_node, nodes=request.nodes,
-                    method=method, strategy=strategy, offload=offload, precision=precision.name,
+                    method=method, strategy=strategy, offload=offload, precision=precision,
                     optimizer="adamw" if request.optimizer == "auto" else request.optimizer,
                     micro_batch_size=request.micro_batch_size or 1, seq_len=request.seq_len,
                     gradient_checkpointing=bool(request.gradient_checkpointing),
@@ -282,4 +297,4 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
 
 def describe(w: Workload) -> str:
     offload = "" if w.offload == "none" else f" + {w.offload} offload"
-    return f"{w.method} {w.strategy_spec.label}{offload}"
+    return f"{w.method} {w.strategy.label}{offload}"

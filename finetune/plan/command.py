@@ -109,11 +109,9 @@ def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] 
 def host_memory_gib(text: str) -> float:
     """--host-memory: a number of GiB, or `local` for this machine's RAM."""
     if text == "local":
-        meminfo = Path("/proc/meminfo")
-        if not meminfo.is_file():
-            raise FinetuneError("--host-memory local reads /proc/meminfo, which this system lacks; give a number of GiB.")
-        total_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemTotal:"))
-        return total_kib / 2**20
+        import psutil  # torch-free; only `local` needs it
+
+        return psutil.virtual_memory().total / 2**30
     try:
         return float(text)
     except ValueError:

@@ -34,7 +34,7 @@ def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": w.strategy_spec.distributed_type,
+        "distributed_type": w.strategy.distributed_type,
         "downcast_bf16": "no",
         "machine_rank": 0,
         "main_training_function": "main",
@@ -44,7 +44,7 @@ def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
         "same_network": True,
         "use_cpu": False,
     }
-    if w.strategy == "fsdp":
+    if w.strategy.fsdp:
         config["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the block class comes from the model's _no_split_modules
@@ -57,7 +57,7 @@ def accelerate_config(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> dict:
     if w.deepspeed:
         config["deepspeed_config"] = {
             "deepspeed_config_file": f"{config_dir}/{DEEPSPEED_FILE}",
-            "zero3_init_flag": w.strategy == "zero3",
+            "zero3_init_flag": w.strategy.shards_weights,
         }
     return config
 
@@ -68,7 +68,7 @@ def deepspeed_config(plan: Plan) -> dict | None:
     w = plan.workload
     if not w.deepspeed:
         return None
-    stage = w.strategy_spec.zero_stage
+    stage = w.strategy.zero_stage
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": DS_BUCKET_ELEMENTS}
     if stage < 3:
         zero.update(allgather_bucket_size=DS_BUCKET_ELEMENTS, reduce_scatter=True)
@@ -107,7 +107,7 @@ def train_flags(w: Workload) -> list[str]:
         "--micro-batch-size", str(w.micro_batch_size),
         "--gradient-accumulation-steps", str(w.gradient_accumulation_steps),
         "--max-seq-len", str(w.seq_len),
-        "--precision", w.precision,
+        "--precision", w.precision.name,
     ]
     if w.optimizer != "adamw":
         flags += ["--optimizer", w.optimizer]
@@ -133,7 +133,7 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
     """The `finetune plan ... --write-config DIR` that pins every choice of `w` (`model` as the run
     names it), so the files it writes are the ones `w`'s launch command names."""
     words = ["finetune", "plan", "--model", model, "--gpus", f"{w.gpus_per_node}x{w.gpu.name}", "--nodes", str(w.nodes),
-             "--method", w.method, "--strategy", w.strategy, "--offload", w.offload, "--precision", w.precision,
+             "--method", w.method, "--strategy", w.strategy.name, "--offload", w.offload, "--precision", w.precision.name,
              "--optimizer", w.optimizer, "--micro-batch-size", str(w.micro_batch_size),
              "--gradient-accumulation-steps", str(w.gradient_accumulation_steps), "--seq-len", str(w.seq_len),
              "--gradient-checkpointing" if w.gradient_checkpointing else "--no-gradient-checkpointing"]

@@ -12,7 +12,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from finetune.errors import FinetuneError
+from finetune.errors import UnknownGPUError
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class GPUSpec:
     interconnect: str  # "NVLink", "Infinity Fabric" or "PCIe": what links GPUs inside one node
     link_gb_per_s: float  # GPU-to-GPU bandwidth per direction inside a node, GB/s
     usd_per_hour: float  # typical on-demand price of one GPU, USD
-    host_gib_per_gpu: float  # host RAM that comes with each GPU in its usual instance (see HOST_RAM_SOURCES)
+    host_gib_per_gpu: float  # host RAM that comes with each GPU in its usual instance (sources: the comment under GPUS)
     aliases: tuple[str, ...] = ()
 
 
@@ -50,15 +50,13 @@ _CATALOG: tuple[GPUSpec, ...] = (
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}
 # Where `host_gib_per_gpu` comes from: host RAM ÷ GPUs of the usual 8-GPU (or largest) cloud instance,
 # or of a typical workstation for desktop cards. Real hosts vary; `finetune plan --host-memory` overrides.
-HOST_RAM_SOURCES = {
-    "A100-40GB": "AWS p4d.24xlarge: 1152 GiB / 8", "A100-80GB": "AWS p4de.24xlarge: 1152 GiB / 8",
-    "H100-80GB": "AWS p5.48xlarge: 2048 GiB / 8", "H200": "AWS p5e.48xlarge: 2048 GiB / 8",
-    "L40S": "AWS g6e.48xlarge: 1536 GiB / 8", "A10G": "AWS g5.48xlarge: 768 GiB / 8", "L4": "AWS g6.48xlarge: 768 GiB / 8",
-    "RTX3090": "a 2-GPU workstation with 128 GiB", "RTX4090": "a 2-GPU workstation with 128 GiB",
-    "RTX6000-Ada": "a 4-GPU workstation with 512 GiB", "V100-16GB": "AWS p3.16xlarge: 488 GiB / 8",
-    "V100-32GB": "AWS p3dn.24xlarge: 768 GiB / 8", "T4": "AWS g4dn.12xlarge: 192 GiB / 4",
-    "MI300X": "Azure ND MI300X v5: 2048 GiB / 8",
-}
+#   A100-40GB: AWS p4d.24xlarge, 1152 GiB / 8     A100-80GB: AWS p4de.24xlarge, 1152 GiB / 8
+#   H100-80GB: AWS p5.48xlarge, 2048 GiB / 8      H200: AWS p5e.48xlarge, 2048 GiB / 8
+#   L40S: AWS g6e.48xlarge, 1536 GiB / 8          A10G: AWS g5.48xlarge, 768 GiB / 8
+#   L4: AWS g6.48xlarge, 768 GiB / 8              V100-16GB: AWS p3.16xlarge, 488 GiB / 8
+#   V100-32GB: AWS p3dn.24xlarge, 768 GiB / 8     T4: AWS g4dn.12xlarge, 192 GiB / 4
+#   MI300X: Azure ND MI300X v5, 2048 GiB / 8      RTX3090, RTX4090: a 2-GPU workstation with 128 GiB
+#   RTX6000-Ada: a 4-GPU workstation with 512 GiB
 
 # Bare names that cover more than one catalog entry: the user must say which memory size.
 AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB"), "v100": ("V100-16GB", "V100-32GB")}
@@ -67,9 +65,6 @@ AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB"), "v1
 # a size a user writes ('24GB') and what the card reports (22.5 GiB for an L4) differ by this much
 SAME_SIZE_GIB = 1.5
 
-
-class UnknownGPUError(FinetuneError):
-    pass
 
 
 def squash(text: str) -> str:

@@ -84,7 +84,7 @@ def trainable_params(w: Workload) -> int:
 def trainable_bytes(w: Workload) -> int:
     """Bytes per trainable weight. DeepSpeed casts the whole module to its 16-bit dtype; PEFT
     keeps adapters in fp32 over a 16-bit base (adapter_bytes)."""
-    p = w.precision_spec
+    p = w.precision
     if w.deepspeed:
         return p.compute_bytes
     if w.method == "full":
@@ -94,7 +94,7 @@ def trainable_bytes(w: Workload) -> int:
 
 def model_states(w: Workload) -> ModelStates:
     counts = count_params(w.model)
-    p = w.precision_spec
+    p = w.precision
     n_train = trainable_params(w)
     weight = trainable_bytes(w)
     base_bytes = p.compute_bytes if w.deepspeed else p.weight_bytes
@@ -130,19 +130,19 @@ def unquantized_bytes(w: Workload) -> int:
     """Bytes per QLoRA parameter left out of 4-bit (embeddings, norms, LM head): fp32 after PEFT's
     prepare_model_for_kbit_training, else the base's dtype (DeepSpeed's 16-bit cast included)."""
     if w.deepspeed:
-        return w.precision_spec.compute_bytes
-    return 4 if w.kbit_upcast else w.precision_spec.weight_bytes
+        return w.precision.compute_bytes
+    return 4 if w.kbit_upcast else w.precision.weight_bytes
 
 
 def residual_bytes(w: Workload) -> int:
     """Bytes per element of the residual stream: the embedding output's dtype, which the norms and
     residual adds keep. An fp32 embedding (fp32 weights under autocast, or PEFT's k-bit upcast)
     makes it fp32, unless FSDP's mixed precision or DeepSpeed computes with 16-bit copies of it."""
-    if w.strategy == "fsdp" or w.deepspeed:
-        return w.precision_spec.compute_bytes
+    if w.strategy.computes_on_copies:
+        return w.precision.compute_bytes
     if w.method == "qlora":
         return unquantized_bytes(w)
-    return w.precision_spec.residual_bytes
+    return w.precision.residual_bytes
 
 
 def layer_activation_bytes(w: Workload) -> float:
@@ -155,7 +155,7 @@ def layer_activation_bytes(w: Workload) -> float:
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
     """
-    spec, p = w.model, w.precision_spec
+    spec, p = w.model, w.precision
     h, e = spec.hidden_size, p.compute_bytes
     q_width = spec.num_heads * spec.resolved_head_dim
     kv_width = spec.num_kv_heads * spec.resolved_head_dim
@@ -218,7 +218,7 @@ def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, ad
 def loss_activation_bytes(w: Workload) -> float:
     """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
     (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
-    spec, p = w.model, w.precision_spec
+    spec, p = w.model, w.precision
     h, e = spec.hidden_size, p.compute_bytes
     saved = 4 * h  # final RMSNorm's fp32 input
     if w.method == "full":
@@ -279,8 +279,8 @@ def autocast_weight_copies(w: Workload) -> float:
     copies: one 16-bit copy of every matmul weight (only the current layer's under checkpointing).
     Under QLoRA only the LM head is such a matmul (fp32 after PEFT's k-bit upcast); 16-bit weights
     (fp16-true), FSDP2 and DeepSpeed already hold compute weights, so they make none."""
-    p = w.precision_spec
-    if not p.autocast or w.strategy == "fsdp" or w.deepspeed:
+    p = w.precision
+    if not p.autocast or w.strategy.computes_on_copies:
         return 0.0
     counts = count_params(w.model)
     head = counts.head or counts.embedding
@@ -301,14 +301,14 @@ def working_set_bytes(w: Workload) -> tuple[float, float]:
     fine-tuning, its adapters for LoRA). ZeRO-3 gathers modules one at a time (the largest of a
     layer, the embedding and the head), its unsharded gradients, and a reduce bucket.
     """
-    if not w.strategy_spec.shards_weights:
+    if not w.strategy.shards_weights:
         return 0.0, 0.0
     counts = count_params(w.model)
-    e = w.precision_spec.compute_bytes
+    e = w.precision.compute_bytes
     layer = e * counts.layer
     if w.method == "qlora":  # 4-bit weights travel packed in their 16-bit storage
         layer -= (e - 0.5) * counts.layer_linear_weights
-    if w.strategy == "fsdp":
+    if w.strategy.fsdp:
         layer_gradients = e * trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
         return e * counts.root, e * counts.root + 2 * layer + layer_gradients
     largest = max(layer, e * counts.embedding, e * counts.head)
@@ -322,10 +322,10 @@ def comm_buffer_bytes(w: Workload, states: ModelStates) -> float:
     DDP copies gradients into its own buckets (Accelerate leaves gradient_as_bucket_view off), so
     it holds a second copy of the gradients. ZeRO-1/2 keep reduce and allgather buckets.
     """
-    if w.strategy == "ddp":
+    if w.strategy.ddp:
         return states.gradients
-    if w.strategy in ("zero1", "zero2"):
-        return 3 * DS_BUCKET_ELEMENTS * w.precision_spec.compute_bytes  # double-buffered reduce + allgather
+    if w.deepspeed and not w.strategy.shards_weights:
+        return 3 * DS_BUCKET_ELEMENTS * w.precision.compute_bytes  # double-buffered reduce + allgather
     return 0.0
 
 
@@ -334,7 +334,7 @@ def dequant_scratch_bytes(w: Workload) -> float:
     if w.method != "qlora":
         return 0.0
     largest = max(linear.weight_params for linear in layer_linears(w.model))
-    return largest * w.precision_spec.compute_bytes
+    return largest * w.precision.compute_bytes
 
 
 # Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
@@ -346,8 +346,8 @@ def loading_host_bytes(w: Workload) -> float:
     quantizes on the way), so each process holds about one checkpoint file at a time; under FSDP
     with cpu-RAM-efficient loading one process per node reads the whole checkpoint and the others
     receive their shards, and without it every process holds a full copy."""
-    model_bytes = count_params(w.model).total * w.precision_spec.weight_bytes
-    if w.strategy == "fsdp":
+    model_bytes = count_params(w.model).total * w.precision.weight_bytes
+    if w.strategy.fsdp:
         return model_bytes * (1 if w.efficient_loading else w.gpus_per_node)
     return w.gpus_per_node * min(model_bytes, CHECKPOINT_SHARD_BYTES)
 
@@ -366,7 +366,7 @@ class Placement:
 def place_states(w: Workload, states: ModelStates) -> Placement:
     """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
     by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
-    n, strategy = w.world_size, w.strategy_spec
+    n, strategy = w.world_size, w.strategy
     weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
     gradients = states.gradients / (n if strategy.shards_gradients else 1)
     optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)

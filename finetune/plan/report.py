@@ -20,7 +20,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
     w, m = p.workload, p.memory
     hours, cost = p.hours(tokens), p.cost_usd(tokens)
     return {
-        "method": w.method, "strategy": w.strategy, "offload": w.offload, "precision": w.precision,
+        "method": w.method, "strategy": w.strategy.name, "offload": w.offload, "precision": w.precision.name,
         "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
@@ -87,7 +87,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         w, m = p.workload, p.memory
         hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
         rows.append((
-            "*" if i == recommended else "", w.method, w.strategy_spec.label, w.offload,
+            "*" if i == recommended else "", w.method, w.strategy.label, w.offload,
             str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),

@@ -111,7 +111,7 @@ def training_flops(w: Workload) -> tuple[float, float]:
 def gathered_weight_bytes(w: Workload) -> float:
     """Bytes of all weights as FSDP/ZeRO-3 all-gather them (16-bit; QLoRA's packed 4-bit)."""
     counts = count_params(w.model)
-    e = w.precision_spec.compute_bytes
+    e = w.precision.compute_bytes
     if w.method == "qlora":
         return counts.quantizable * 0.5 + (counts.total - counts.quantizable) * e
     return counts.total * e
@@ -127,17 +127,17 @@ def collectives(w: Workload) -> tuple[Collective, ...]:
     gradients = model_states(w).gradients  # unsharded, in the dtype they are reduced in
     trainable = trainable_params(w)
     ds_buckets = math.ceil(trainable / DS_BUCKET_ELEMENTS)
-    updated = ring * trainable * w.precision_spec.compute_bytes
+    updated = ring * trainable * w.precision.compute_bytes
     updated_weights = Collective("all-gather updated weights", updated, ds_buckets, NOTHING, updated, ds_buckets)
-    if w.strategy == "ddp":
+    if w.strategy.ddp:
         last_bucket = 2 * ring * min(gradients, DDP_BUCKET_BYTES)
         return (Collective("all-reduce gradients", 2 * ring * gradients, math.ceil(gradients / DDP_BUCKET_BYTES),
                            LAST_BACKWARD, last_bucket, 1),)
     last_bucket = ring * min(gradients, DS_BUCKET_ELEMENTS * gradients / max(trainable, 1))
-    if w.strategy == "zero1":
+    if not w.strategy.shards_gradients:  # ZeRO-1
         return (Collective("reduce-scatter gradients", ring * gradients, ds_buckets, LAST_BACKWARD, last_bucket, 1),
                 updated_weights)
-    if w.strategy == "zero2":
+    if not w.strategy.shards_weights:  # ZeRO-2
         return (Collective("reduce-scatter gradients", micro * ring * gradients, micro * ds_buckets, EACH_BACKWARD,
                            micro * last_bucket, micro), updated_weights)
     # fsdp, zero3: one unit per decoder layer plus the root (embeddings, head); weights are gathered
@@ -175,7 +175,7 @@ def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: f
 
 def estimate_speed(w: Workload) -> Speed:
     n = w.world_size
-    efficiency = BASE_MFU * (QLORA_SPEED if w.method == "qlora" else 1.0) * (FP32_SPEED if w.precision == "fp32" else 1.0)
+    efficiency = BASE_MFU * (QLORA_SPEED if w.method == "qlora" else 1.0) * (FP32_SPEED if w.precision.fp32 else 1.0)
     throughput = w.gpu.bf16_tflops * 1e12 * efficiency
     tokens_micro = w.tokens_per_micro_batch
     tokens_update = tokens_micro * w.gradient_accumulation_steps
@@ -188,7 +188,7 @@ def estimate_speed(w: Workload) -> Speed:
     exposed = exposed_seconds(items, gb_per_s, latency_s, forward, backward, w.gradient_accumulation_steps)
 
     offload = 0.0  # per update
-    e = w.precision_spec.compute_bytes
+    e = w.precision.compute_bytes
     if w.offload != "none":
         shard = trainable_params(w) / n
         copies = shard * (e + e)  # gradients to the host, updated 16-bit weights back

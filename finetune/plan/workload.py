@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from finetune.plan.gpus import GPUSpec
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
-from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy
+from finetune.config.names import PRECISIONS, STRATEGIES, Method, Offload, Optimizer, Precision, Strategy, named
 
 if TYPE_CHECKING:  # the run side imports torch; the planner only reads the resolved values
     from finetune.config.resolve import ResolvedRun
@@ -22,16 +22,17 @@ if TYPE_CHECKING:  # the run side imports torch; the planner only reads the reso
 
 @dataclass(frozen=True)
 class Workload:
-    """One fully specified training configuration on one cluster."""
+    """One fully specified training configuration on one cluster. `strategy` and `precision` may be
+    given by name ("zero3", "bf16-true"); the workload holds the Strategy and Precision."""
 
     model: ModelSpec
     gpu: GPUSpec
     gpus_per_node: int
-    method: str
-    strategy: str
-    offload: str
-    precision: str
-    optimizer: str
+    method: Method
+    strategy: Strategy
+    offload: Offload
+    precision: Precision
+    optimizer: Optimizer
     micro_batch_size: int
     seq_len: int
     gradient_checkpointing: bool
@@ -54,21 +55,17 @@ class Workload:
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
+        object.__setattr__(self, "precision", named(PRECISIONS, self.precision, "--precision"))
+
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
     @property
-    def precision_spec(self) -> Precision:
-        return PRECISIONS[self.precision]
-
-    @property
-    def strategy_spec(self) -> Strategy:
-        return STRATEGIES[self.strategy]
-
-    @property
     def deepspeed(self) -> bool:
-        return self.strategy_spec.deepspeed
+        return self.strategy.deepspeed
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -93,9 +90,9 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         )
     return Workload(
         model=run.spec, gpu=gpu, gpus_per_node=run.launch.gpus_per_node, nodes=run.launch.num_machines,
-        method=config.method, strategy=run.strategy.name, offload=run.offload, precision=run.precision.name,
+        method=config.method, strategy=run.strategy, offload=run.offload, precision=run.precision,
         optimizer=config.optimizer, micro_batch_size=run.batch.micro_batch_size, seq_len=config.max_seq_len,
         gradient_checkpointing=config.gradient_checkpointing, lora_r=config.lora_r, lora_targets=config.lora_targets,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps, lora_dropout=config.lora_dropout,
-        efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or run.strategy.name != "fsdp",
+        efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
     )

@@ -27,9 +27,9 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.train import preflight
-from finetune.config.options import ConfigError
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
 
 RESOLVED_DEEPSPEED_FILE = "deepspeed_config.json"
@@ -53,7 +53,7 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
     cuda = torch.cuda.is_available()
     if deepspeed is not None and not launched():
         become_single_process_launch()
-    fsdp_plugin = fsdp_plugin_from_launch() if run.strategy.name == "fsdp" else None
+    fsdp_plugin = fsdp_plugin_from_launch() if run.strategy.fsdp else None
     with preflight.watchdog(config.preflight_timeout) as dog:
         dog.stage("rendezvous", preflight.rendezvous_advice())
         accelerator = Accelerator(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune.plan import gpus as gpu_catalog
 from finetune.plan.gpus import GPUSpec
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, FitError
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
 from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_DIR, launch_command, plan_command
@@ -30,9 +30,6 @@ from finetune.config.resolve import Device, ResolvedRun
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
 
-
-class FitError(FinetuneError):
-    """The run will not fit the memory it is launched on; the message says what would."""
 
 
 def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
@@ -75,9 +72,9 @@ def run_of_plan(plan: Plan, config_dir: str | Path, output_dir: str | Path) -> R
 
     w = plan.workload
     config = parse_config([*train_flags(w), "--gpu", w.gpu.name, "--output-dir", str(output_dir)])
-    launch = Launch(world_size=w.world_size, num_machines=w.nodes, fsdp=w.strategy == "fsdp",
-                    fsdp_offload_params=w.strategy == "fsdp" and w.offload == "params",
-                    fsdp_cpu_ram_efficient_loading=w.strategy == "fsdp", deepspeed=w.deepspeed,
+    launch = Launch(world_size=w.world_size, num_machines=w.nodes, fsdp=w.strategy.fsdp,
+                    fsdp_offload_params=w.strategy.fsdp and w.offload == "params",
+                    fsdp_cpu_ram_efficient_loading=w.strategy.fsdp, deepspeed=w.deepspeed,
                     deepspeed_config_file=str(Path(config_dir) / DEEPSPEED_FILE) if w.deepspeed else None)
     return resolve_run(config, launch, device_of(w.gpu))
 
@@ -168,7 +165,7 @@ def run_command(run: ResolvedRun, plan: Plan, given: frozenset[str]) -> tuple[st
     that writes the launcher files it names (None when it needs none: one process, no strategy)."""
     flags = command_line(run.config, given)
     w = plan.workload
-    if w.world_size == 1 and w.strategy == "single":
+    if w.world_size == 1 and not w.strategy.distributed:
         return shlex.join(["finetune", *flags]), None
     files = [f"{DEFAULT_CONFIG_DIR}/{ACCELERATE_FILE}"] + ([f"{DEFAULT_CONFIG_DIR}/{DEEPSPEED_FILE}"] if w.deepspeed else [])
     writer = f"`{plan_command(w, run.config.model)}` writes {' and '.join(files)}"
@@ -256,12 +253,8 @@ def _largest_terms(memory) -> list[str]:
     return [f"{name} {value / GIB:.1f}" for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:3]]
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable of this machine (Linux), None where /proc/meminfo is missing."""
-    meminfo = Path("/proc/meminfo")
-    if not meminfo.is_file():
-        return None
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
+def host_available_bytes() -> int:
+    """The host RAM available to a new allocation (Linux's MemAvailable), as psutil reads it."""
+    import psutil
+
+    return psutil.virtual_memory().available

@@ -153,12 +153,10 @@ def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
     completions = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="eval generate", **progress_bar(show_progress)):
         chunk = prompts[start:start + batch_size]
-        width = max(map(len, chunk))
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in chunk], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        completions += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+        batch = tokenizer.pad({"input_ids": chunk}, padding_side="left", return_tensors="pt").to(device)
+        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        completions += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     return completions
 
 

@@ -36,13 +36,11 @@ class MetricsRecorder:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.active = accelerator.is_main_process
         self.tokens = 0
-        self.seconds = 0.0
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", disable=not self.active,
                         dynamic_ncols=True, file=sys.stdout)
 
     def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float) -> None:
         self.tokens += tokens
-        self.seconds += seconds
         tokens_per_second = tokens / seconds if seconds else 0.0
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)

@@ -31,13 +31,10 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from finetune.checkpoint.identity import package_versions
-from finetune.errors import FinetuneError
+from finetune.errors import PreflightError
 
 TIMEOUT_EXIT_CODE = 3
 
-
-class PreflightError(FinetuneError):
-    """The distributed job cannot train as launched; the message lists every problem found."""
 
 
 class Watchdog:

@@ -41,13 +41,13 @@ CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 with
 
 def cannot_simulate(w: Workload) -> str | None:
     """Why the plan `w` is outside CHECKS, or None when --simulate can run it."""
-    return _outside_checks(w.method, w.strategy_spec, w.offload, w.optimizer)
+    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer)
 
 
 def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str) -> str | None:
     if method == "qlora":
         return "QLoRA (bitsandbytes' 4-bit kernels do not run on fake tensors)"
-    if strategy.name not in ("single", "fsdp"):
+    if strategy.ddp or strategy.deepspeed:
         return f"{strategy.label} (DDP's reducer and the DeepSpeed engine are not simulated)"
     if offload != "none":
         return f"{offload} offload (host memory is not tracked)"
@@ -68,7 +68,7 @@ def simulate(run: ResolvedRun) -> Simulation:
     reason = _outside_checks(run.config.method, run.strategy, run.offload, run.config.optimizer)
     if reason is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
-    if run.strategy.name == "fsdp":
+    if run.strategy.fsdp:
         return _simulate_fsdp(run)
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -177,7 +177,7 @@ def compare_text(run: ResolvedRun, w: Workload) -> str:
     """Simulated vs analytic per-GPU peak, term by term (allocated memory, no slack or context)."""
     simulated = simulate(run)
     analytic = estimate(w)
-    lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy_spec.label}, "
+    lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy.label}, "
              f"{w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}):",
              f"  {'term':<12} {'simulated':>10} {'analytic':>10}  GiB"]
     for term in ("weights", "gradients", "optimizer", "activations", "buffers"):

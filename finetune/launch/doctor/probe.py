@@ -11,6 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 import yaml
 
@@ -62,7 +63,7 @@ def probe(output_dir: str) -> Machine:
     smi_count = nvidia_smi("--query-gpu=index", "--format=csv,noheader")
     header = nvidia_smi() or ""
     driver_cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
-    meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)) if Path("/proc/meminfo").is_file() else {}
+    memory = psutil.virtual_memory()
     from accelerate.commands.config import default_config_file
 
     launch_file = Path(default_config_file)
@@ -82,8 +83,8 @@ def probe(output_dir: str) -> Machine:
         nccl_env={name: value for name, value in os.environ.items() if name.startswith("NCCL_")},
         interfaces=sorted(os.listdir("/sys/class/net")) if Path("/sys/class/net").is_dir() else [],
         shm_bytes=_filesystem_size("/dev/shm"),
-        ram_total_bytes=int(meminfo.get("MemTotal", 0)) * 1024,
-        ram_available_bytes=int(meminfo.get("MemAvailable", 0)) * 1024,
+        ram_total_bytes=memory.total,
+        ram_available_bytes=memory.available,
         output_dir=output_dir,
         disk_free_bytes=shutil.disk_usage(_existing_ancestor(Path(output_dir))).free,
         accelerate_config_file=str(launch_file) if launch_file.exists() else None,
