@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, ReportedElsewhere
 
 # subcommand → "module:function"; each function takes argv and returns an exit code
 SUBCOMMANDS = {
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     command = getattr(importlib.import_module(module_name), function_name)
     try:
         return command(argv)
+    except ReportedElsewhere:
+        return 2
     except FinetuneError as e:
         print(f"finetune {name}: error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from finetune.checkpoint.progress import Progress
-from finetune.train import loop
+from finetune.train import loop, ranks
 from finetune.models import loading
 from finetune.train import dry_run
 from finetune.checkpoint.checkpointer import Checkpointer
@@ -75,11 +75,12 @@ def train(run: ResolvedRun, device: Device) -> dict:
     say = accelerator.print
 
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
-    with accelerator.local_main_process_first():
+    with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
-    model = loading.load_model(run, accelerator.device)
+    with ranks.together(accelerator):
+        model = loading.load_model(run, accelerator.device)
     if config.packing:
         loading.check_packing_support(model)
 
