@@ -14,6 +14,7 @@ from pathlib import Path
 from finetune.plan import gpus as gpu_catalog
 from finetune.models import catalog as model_catalog
 from finetune.errors import FinetuneError
+from finetune.library_logs import quiet_libraries
 from finetune.plan import report
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import DEFAULT_CONFIG_DIR, write_configs
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--simulate", action="store_true",
                         help="also run the recommended plan's launch command for two steps on fake tensors, through the "
                         "trainer's own model and optimizer construction, and compare memory (needs torch)")
+    parser.add_argument("--verbose", action="store_true", help="with --simulate: also show the libraries' logs and warnings")
     return parser
 
 
@@ -124,6 +126,8 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
     if args.simulate:
+        if not args.verbose:
+            quiet_libraries()
         chosen = plans[recommended] if recommended is not None else plans[0]
         note(simulation_text(chosen))
     return 0
