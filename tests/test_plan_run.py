@@ -90,7 +90,7 @@ def test_built_model_states_equal_the_plan(model, method, tmp_path):
     ("qlora", "bf16-mixed", A100),  # embeddings, norms and head stay fp32 beside the 4-bit weights
     ("lora", "fp16-true", T4),  # the usual LoRA setup on GPUs without bf16
     ("qlora", "fp16-true", T4),
-    ("full", "bf16-true", A100),  # pure bf16 (not under FSDP2, see vocabulary.check_precision)
+    ("full", "bf16-true", A100),  # pure bf16: weights, gradients and AdamW states, FSDP2 included
     ("lora", "fp32", A100),
 ])
 def test_built_model_states_equal_the_plan_for_every_precision(method, precision, device, tmp_path):
@@ -98,8 +98,6 @@ def test_built_model_states_equal_the_plan_for_every_precision(method, precision
     if (precision, method) == ("bf16-true", "full"):
         built = build(resolve_run(config, Launch(), device))
         for name, launch in launches(tmp_path).items():
-            if name.startswith("fsdp"):
-                continue
             run = resolve_run(config, launch, device)
             workload = from_run(run, gpus.get("A100-80GB"))
             measured, planned = place_states(workload, built_states(run, built)), estimate(workload)
