@@ -65,3 +65,14 @@ def test_a_plain_run_shows_finetunes_messages_only(tmp_path):
     assert [noise for noise in NOISE if noise in quiet] == []
     for noise in ("FutureWarning", "Generating train split", "Saving the dataset"):
         assert noise in verbose, noise  # the noise is real, and --verbose brings it back
+
+
+@pytest.mark.slow  # a simulated training step on fake tensors: ~30 s of CPU
+def test_plan_simulate_is_quiet_unless_verbose():
+    """`finetune plan --simulate` builds the model through the trainer (transformers, peft): their
+    deprecation warnings stay out of its output, as in a training run."""
+    result = subprocess.run([sys.executable, "-m", "finetune", "plan", "--model", "tiny", "--gpus", "1xA100-40GB",
+                             "--simulate"], capture_output=True, text=True, timeout=600, check=True)
+    output = result.stdout + result.stderr
+    assert "Warning" not in output and "bitsandbytes" not in output
+    assert "simulat" in output.lower()  # the comparison itself is printed
