@@ -3,8 +3,9 @@
     python bench/planner_accuracy.py [--calibration-csv PATH] [--held-out-csv PATH]
 
 Two sets of rows, reported apart:
-- calibration: ../shared/planner_calibration/measurements.csv (litgpt resource tables and config
-  hub, Qwen's profiling table). Facts in memory.py were found by looking at these rows.
+- calibration: bench/calibration/measurements.csv (litgpt resource tables and config hub, Qwen's
+  profiling table; a copy of the team's shared planner_calibration/measurements.csv, so a clone
+  runs this as it is). Facts in memory.py were found by looking at these rows.
 - held-out: bench/calibration/measurements_extra.csv (Answer.AI fsdp_qlora benchmarks, PEFT's
   FSDP/DeepSpeed docs, torchtune's tutorials and README). Every translation below is a setting
   the source states or its code used at that commit; bench/RESULTS.md names the two coefficients
@@ -35,7 +36,7 @@ from finetune.models.catalog import ModelSpec
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate
 from finetune.plan.workload import Workload
 
-CALIBRATION_CSV = Path(__file__).resolve().parents[2] / "shared" / "planner_calibration" / "measurements.csv"
+CALIBRATION_CSV = Path(__file__).resolve().parent / "calibration" / "measurements.csv"
 HELD_OUT_CSV = Path(__file__).resolve().parent / "calibration" / "measurements_extra.csv"
 
 
@@ -251,6 +252,9 @@ def main() -> None:
     parser.add_argument("--calibration-csv", type=Path, default=CALIBRATION_CSV)
     parser.add_argument("--held-out-csv", type=Path, default=HELD_OUT_CSV)
     args = parser.parse_args()
+    for path in (args.calibration_csv, args.held_out_csv):
+        if not path.is_file():
+            parser.error(f"{path}: no such file (the defaults are the copies under bench/calibration/)")
     all_cases = cases(args.calibration_csv, "calibration") + cases(args.held_out_csv, "held-out")
     points = [c for c in all_cases if "bound" not in c.row["value_type"]]
     oom_bounds = [c for c in all_cases if c.row["value_type"] == "oom_lower_bound"]

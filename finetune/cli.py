@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, ReportedElsewhere
+from finetune.library_logs import library_logs_to_stderr
 
 # subcommand → "module:function"; each function takes argv and returns an exit code
 SUBCOMMANDS = {
@@ -29,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     name = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
     module_name, function_name = SUBCOMMANDS[name].split(":")
     command = getattr(importlib.import_module(module_name), function_name)
+    library_logs_to_stderr()  # stdout is finetune's (--json), whatever the launcher or --verbose
     try:
         return command(argv)
+    except ReportedElsewhere:
+        return 2
     except FinetuneError as e:
         print(f"finetune {name}: error: {e}", file=sys.stderr)
         return 2

@@ -37,3 +37,8 @@ class FitError(FinetuneError):
 
 class HubError(FinetuneError):
     """The Hub cannot be reached, or refused the upload."""
+
+
+class ReportedElsewhere(FinetuneError):
+    """Another rank of this launch failed and reports the error; this rank stops with exit 2 and
+    prints nothing, so the user reads the message once (see train/ranks.py)."""

@@ -3,23 +3,56 @@
 A user reads finetune's own messages. The libraries underneath log things meant for their own
 developers on every run: DeepSpeed's "Setting accelerator to CPU" (Accelerate imports DeepSpeed
 whenever it is installed, to unwrap models), bitsandbytes' optional CPU kernels, transformers'
-deprecations, Hugging Face Hub retries. Errors still pass. No library is imported here.
+deprecations, Hugging Face Hub retries, datasets' progress bars, Accelerate's save warnings. Errors
+still pass. No library is imported here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 # variable a library reads its log level from when it first logs → its logger; the variables also
 # reach the processes a launcher starts, and the logger covers a library this process already imported
 LEVEL_VARIABLES = {"TRANSFORMERS_VERBOSITY": "transformers", "DATASETS_VERBOSITY": "datasets",
                    "HF_HUB_VERBOSITY": "huggingface_hub"}
-# bitsandbytes configures nothing itself: its module loggers inherit this level
-BITSANDBYTES_LOGGER = "bitsandbytes"
-# DeepSpeed sets its logger's level when it is imported, after us; a filter survives that
+# loggers that configure nothing themselves: their module loggers inherit this level (bitsandbytes'
+# optional kernels; Accelerate's "[RANK 0] Removed shared tensor ... while saving")
+PARENT_LOGGERS = ("bitsandbytes", "accelerate")
+# datasets' progress bars of its own steps ("Generating train split", "Saving the dataset"); read
+# when datasets is imported, and then it wins over datasets' own switch
+PROGRESS_BARS_VARIABLE = "HF_DATASETS_DISABLE_PROGRESS_BARS"
+# DeepSpeed sets its logger's level and a stdout handler when it is imported, after us; a filter
+# survives that
 DEEPSPEED_LOGGER = "DeepSpeed"
+
+
+class _DeepSpeedToStderr(logging.Filter):
+    """Writes DeepSpeed's records to stderr and keeps them from DeepSpeed's own handler, which writes
+    to stdout, where `--json` output must be alone; when `quiet`, only errors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = False
+        self.formatter = logging.Formatter("[%(levelname)s] [DeepSpeed] %(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.quiet or record.levelno >= logging.ERROR:
+            print(self.formatter.format(record), file=sys.stderr)  # sys.stderr now, not at import
+        return False
+
+
+_DEEPSPEED = _DeepSpeedToStderr()
+
+
+def library_logs_to_stderr() -> None:
+    """Keep stdout for finetune's own output, whatever the launcher and --verbose: the one library
+    that logs to stdout, DeepSpeed, is sent to stderr."""
+    deepspeed = logging.getLogger(DEEPSPEED_LOGGER)
+    if _DEEPSPEED not in deepspeed.filters:
+        deepspeed.addFilter(_DEEPSPEED)
 
 
 def quiet_libraries() -> None:
@@ -29,13 +62,10 @@ def quiet_libraries() -> None:
         os.environ.setdefault(variable, "error")
         if os.environ[variable] == "error":
             logging.getLogger(logger).setLevel(logging.ERROR)
-    logging.getLogger(BITSANDBYTES_LOGGER).setLevel(logging.ERROR)
-    deepspeed = logging.getLogger(DEEPSPEED_LOGGER)
-    if _errors_only not in deepspeed.filters:
-        deepspeed.addFilter(_errors_only)
+    for logger in PARENT_LOGGERS:
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    os.environ.setdefault(PROGRESS_BARS_VARIABLE, "1")
+    library_logs_to_stderr()
+    _DEEPSPEED.quiet = True
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
-
-
-def _errors_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR

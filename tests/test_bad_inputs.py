@@ -32,6 +32,8 @@ rdzv_backend: static
 same_network: true
 use_cpu: false
 """
+# 2 processes of DDP (gloo on CPU), as `finetune plan` writes it for 2 GPUs of one machine
+DDP2_YAML = LAUNCH_YAML.replace("num_processes: 1", "num_processes: 2") + "distributed_type: MULTI_GPU\nmain_process_port: 0\n"
 # a short run of the prepared model (bad data and launches fail before it trains); the finished run
 # with a checkpoint that checkpoint cases start from (`run/`) was made with the same options
 SHORT = "--model tiny-model --max-steps 1 --micro-batch-size 2 --max-eval-examples 2 --num-samples 0"
@@ -380,6 +382,16 @@ CASES = [
     case("doctor-unwritable-hf-home", "doctor --no-bandwidth", "HF_HOME afile/hf", "afile is a file, not a directory",
          "point HF_HOME at a directory you can write", files={"afile": "in the way"}, env={"HF_HOME": "afile/hf"},
          marks=SLOW),
+
+    # ---------------------------------------------------------------- found after the process group formed (2 ranks)
+    case("two-ranks-empty-dataset", f"{RUN} --dataset empty.jsonl", "empty.jsonl", "holds no rows",
+         files={"empty.jsonl": "", "ddp2.yaml": DDP2_YAML}, launch="ddp2.yaml", marks=SLOW),
+    case("two-ranks-wrong-type", f"{RUN} --dataset data.jsonl", "data.jsonl, row 8: field 'output' is a list, not text",
+         files={"data.jsonl": ROWS + json.dumps({**ALPACA_ROW, "output": ["5"]}) + "\n", "ddp2.yaml": DDP2_YAML},
+         launch="ddp2.yaml", marks=SLOW),
+    case("two-ranks-hub-model-offline", "--model nobody-here/no-such-model --max-steps 1 --output-dir out",
+         "Could not load 'nobody-here/no-such-model'", "hf download nobody-here/no-such-model --local-dir DIR",
+         files={"ddp2.yaml": DDP2_YAML}, env={"HF_HUB_OFFLINE": "1"}, launch="ddp2.yaml", marks=SLOW),
 ]
 
 
@@ -440,6 +452,9 @@ def test_bad_input_fails_with_a_clear_message(case: Case, tmp_path: Path, reques
     assert ours == 0, output[-6000:]
     missing = [word for word in case.words if word not in output]
     assert not missing, f"{missing} not in:\n{output[-3000:]}"
+    if case.launch == "ddp2.yaml":  # every rank stopped by the one message, none by a peer that vanished
+        assert output.count(": error: ") == 1 and "Connection closed by peer" not in output, output[-6000:]
+        assert "exitcode  : 2" in output, output[-3000:]
 
 
 def test_corpus_count_in_readme_is_current():

@@ -68,9 +68,10 @@ def test_second_preparation_reads_the_cache_instead_of_tokenizing(tmp_path, toke
 def _change_rows(config, tokenizer, tmp_path, monkeypatch):
     path = Path(config.dataset)
     text = path.read_text()
+    before = path.stat()
     path.write_text(text.replace('"output": "0"', '"output": "9"'))  # same size, different rows
     assert len(path.read_text()) == len(text)
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the old modification time
     return config, tokenizer
 
 
@@ -198,6 +199,30 @@ def test_prepare_command_fills_the_cache_that_the_training_run_reads(tmp_path, c
     assert encoded_rows == [] and f"reused from {tmp_path / 'cache' / entry}" in capsys.readouterr().out
     assert cli.main(["prepare", *flags, "--data-cache", "none"]) == 2
     assert "drop --data-cache none" in capsys.readouterr().err
+
+
+def prepare(*flags: str) -> str:
+    """`finetune prepare` as a user runs it; its one line of output."""
+    result = subprocess.run([sys.executable, "-m", "finetune", "prepare", *flags], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_rows_rewritten_under_their_old_modification_time_are_tokenized_again(tmp_path):
+    """The cache follows the file's bytes: other rows with the size and mtime put back are new data
+    (datasets' own tables of the file included), and touching a file without changing it is not."""
+    path = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    flags = ["--dataset", str(path), "--eval-split", "0.25", "--data-cache", str(tmp_path / "cache")]
+    assert "12 train / 4 eval examples (alpaca), tokenized into" in prepare(*flags)
+    before = path.stat()
+    write_jsonl(path, ROWS * 5)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_mtime_ns == before.st_mtime_ns
+    assert "60 train / 20 eval examples (alpaca), tokenized into" in prepare(*flags)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # same bytes, another time
+    assert "60 train / 20 eval examples (alpaca), reused from" in prepare(*flags)
+    assert len(entries(tmp_path / "cache")) == 2
 
 
 COUNTING_RUN = """

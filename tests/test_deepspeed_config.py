@@ -342,7 +342,7 @@ def test_the_files_lr_under_lr_scaling_and_its_length_under_epochs_are_conflicts
         'instead, or write "auto"',
     ]
     bad = HF_DECAY | {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}
-    with pytest.raises(ConfigError, match=r"hf.json: values adopted from its optimizer/scheduler sections are invalid\. "
+    with pytest.raises(ConfigError, match=r"hf.json: values adopted from it are invalid\. "
                                           r"Invalid configuration:\n  - --adam-beta2 must be in \[0, 1\), got 1.5"):
         hf_run(tmp_path, bad, [])
 
@@ -359,3 +359,45 @@ def test_a_fixed_precision_section_decides_auto_like_the_accelerate_config(tmp_p
     assert run.precision is PRECISIONS["fp16-true"] and run.deepspeed.config["fp16"]["enabled"] is True
     with pytest.raises(ConfigError, match="the launch fixes fp16"):
         resolve_run(TrainConfig(model="tiny", precision="bf16-mixed", deepspeed=str(fixed)), Launch(world_size=2), a100)
+
+
+FIXED_DROP_IN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": False},
+                 "zero_optimization": {"stage": 2}}
+
+
+def test_a_drop_in_files_fixed_batch_and_precision_are_the_runs_where_no_flag_was_given(tmp_path):
+    """A file that fixes micro batch, accumulation and bf16 off runs so on a bf16 GPU without flags
+    (it stopped the run before: "... but --micro-batch-size 16"); a flag the user gave against it
+    stays an error naming file, key and flag."""
+    from finetune.config.names import PRECISIONS
+
+    run = hf_run(tmp_path, FIXED_DROP_IN, [])
+    assert (run.batch.micro_batch_size, run.batch.gradient_accumulation_steps) == (2, 2)
+    assert run.precision is PRECISIONS["fp32"] and run.deepspeed.config["bf16"]["enabled"] is False
+    assert run.deepspeed.config["train_batch_size"] == 2 * 2 * 2
+    assert "--micro-batch-size 2 (train_micro_batch_size_per_gpu)" in run.deepspeed.notes[0]
+    with pytest.raises(ConfigError) as error:
+        hf_run(tmp_path, FIXED_DROP_IN, ["--micro-batch-size", "4", "--precision", "bf16-mixed"])
+    assert "hf.json: train_micro_batch_size_per_gpu=2 but --micro-batch-size 4" in str(error.value)
+    assert "hf.json: bf16.enabled=false but --precision resolves to bf16-mixed" in str(error.value)
+    assert hf_run(tmp_path, FIXED_DROP_IN, ["--micro-batch-size", "2"]).batch.micro_batch_size == 2  # agreeing flag
+
+
+def test_a_drop_in_file_with_fixed_values_plans_through_the_cli(tmp_path):
+    """The CLI as a user runs it: `--dry-run --json` of that file alone plans micro 2 × accumulation 2
+    in fp32; with an explicit flag against it, exit 2 and the file, key and flag."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.json").write_text(json.dumps(FIXED_DROP_IN))
+    base = [sys.executable, "-m", "finetune", "--model", "tiny", "--deepspeed", str(tmp_path / "ds.json"), "--dry-run",
+            "--json", "--gpu", "A100-40GB", "--output-dir", str(tmp_path / "out")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(base, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [only] = json.loads(done.stdout)["plans"]
+    assert (only["micro_batch_size"], only["gradient_accumulation_steps"]) == (2, 2), only
+    refused = subprocess.run([*base, "--gradient-accumulation-steps", "4"], capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "ds.json: gradient_accumulation_steps=2 but --gradient-accumulation-steps 4" in refused.stderr

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from finetune.plan import gpus
 from finetune.models import catalog
@@ -89,7 +90,7 @@ def test_built_model_states_equal_the_plan(model, method, tmp_path):
     ("qlora", "bf16-mixed", A100),  # embeddings, norms and head stay fp32 beside the 4-bit weights
     ("lora", "fp16-true", T4),  # the usual LoRA setup on GPUs without bf16
     ("qlora", "fp16-true", T4),
-    ("full", "bf16-true", A100),  # pure bf16 (not under FSDP2, see vocabulary.check_precision)
+    ("full", "bf16-true", A100),  # pure bf16: weights, gradients and AdamW states, FSDP2 included
     ("lora", "fp32", A100),
 ])
 def test_built_model_states_equal_the_plan_for_every_precision(method, precision, device, tmp_path):
@@ -97,8 +98,6 @@ def test_built_model_states_equal_the_plan_for_every_precision(method, precision
     if (precision, method) == ("bf16-true", "full"):
         built = build(resolve_run(config, Launch(), device))
         for name, launch in launches(tmp_path).items():
-            if name.startswith("fsdp"):
-                continue
             run = resolve_run(config, launch, device)
             workload = from_run(run, gpus.get("A100-80GB"))
             measured, planned = place_states(workload, built_states(run, built)), estimate(workload)
@@ -354,6 +353,31 @@ def test_printed_deepspeed_launch_command_runs_as_printed(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2
 
 
+# every shipped launch config of one machine (multi_node.yaml names 2 machines)
+SHIPPED_LAUNCHES = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml") if p.name != "multi_node.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", SHIPPED_LAUNCHES)
+def test_dry_run_json_is_pure_json_under_every_shipped_launcher(tmp_path, launch):
+    """`--dry-run --json` under `accelerate launch` of each shipped config, with --verbose: stdout is
+    one JSON document (rank 0's), parsed whole; the libraries' logs, DeepSpeed's included, are on
+    stderr. DS_ACCELERATOR=cpu keeps the launcher process itself (not finetune's) from logging
+    DeepSpeed's accelerator detection to stdout on a machine without a GPU."""
+    import os
+
+    from finetune.train.accelerator import free_port
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{launch}",
+               "--main_process_port", str(free_port()), "-m", "finetune", "--model", "tiny", "--dry-run", "--json",
+               "--verbose", "--gpu", "A100-40GB", "--output-dir", str(tmp_path / "out")]
+    env = os.environ | {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert len(report["plans"]) == 1 and "memory_per_gpu_gib" in report["plans"][0]
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -400,7 +424,7 @@ def test_dry_run_of_the_printed_launch_command_reports_the_planned_memory(tmp_pa
     env = os.environ | {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    dry = json.loads(done.stdout[done.stdout.index("{"):])  # rank 0 prints the plan; other ranks print nothing
+    dry = json.loads(done.stdout)  # rank 0 prints the plan; other ranks print nothing
     only = dry["plans"][0]
     assert (only["strategy"], only["method"], only["micro_batch_size"]) == ("ddp", "lora", best["micro_batch_size"])
     for term in ("weights", "gradients", "optimizer", "activations", "buffers", "device"):

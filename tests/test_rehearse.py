@@ -113,6 +113,25 @@ def test_failures_are_explained_from_the_error_that_ended_the_run():
         "A process ran out of CPU memory")
 
 
+def test_a_validation_error_is_kept_whole_with_the_field_it_names():
+    """DeepSpeed's pydantic error puts the field on the line after the exception's: keep all of it,
+    prefixed by the rank as torchrun writes it, and nothing of the launcher's lines after it."""
+    import traceback
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(offload_optimizer={"device": "cpu", "pin_memory": "maybe"})
+    except Exception as e:  # noqa: BLE001 - the real message is the input under test
+        printed = "".join(traceback.format_exception(e))
+    log = "".join(f"[rank1]: {line}\n" for line in printed.splitlines())
+    log += "E1125 14:00:00.000 1 torch/distributed/elastic/multiprocessing/api.py] failed (exitcode: 1)\n"
+    explained = rehearse.explain_failure(log, 1)
+    assert "ValidationError: 1 validation error for DeepSpeedZeroConfig" in explained
+    assert "offload_optimizer.pin_memory" in explained and "valid boolean" in explained
+    assert "exitcode" not in explained and "[rank1]" not in explained.split("\n", 2)[-1]
+
+
 def test_inspect_run_finds_empty_adapters_and_missing_checkpoints(tmp_path):
     from safetensors.torch import save_file
     import torch

@@ -10,12 +10,15 @@ stop in the middle of an epoch and one at an epoch boundary. A resume that chang
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import reset_accelerate, word_rows, word_run_model, write_jsonl
+from helpers import REPO, reset_accelerate, word_rows, word_run_model, write_jsonl
 
 from finetune import cli
 from finetune.config.options import TrainConfig
@@ -101,4 +104,30 @@ def test_resume_with_more_steps_continues_the_lr_schedule_from_where_it_stopped(
     for step, lr in longer.items():  # update k runs at the factor after k - 1 updates
         assert lr == pytest.approx(peak * continued(step - 1), rel=1e-12), step
     assert continued(8) == pytest.approx(0.1) and all(a > b for a, b in zip(list(longer.values()), list(longer.values())[1:]))
-    assert "LR schedule: --max-steps 4 → 8; the decay continues from step 2" in capsys.readouterr().out
+    assert "LR schedule: --max-steps 4 → 8; from step 2 (lr " in capsys.readouterr().out
+
+
+def test_resume_messages_say_what_the_run_will_do(tmp_path):
+    """Resumed inside a warmup longer than the run, the LR keeps rising and the log says so (not
+    "the decay continues"); a checkpoint past --max-steps is an error, not an exit 0 "continuing"."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"{i} plus {i % 5} is {i + i % 5}"}) + "\n" for i in range(24)))
+    flags = ["--dataset", str(rows), "--micro-batch-size", "2", "--warmup-steps", "8", "--log-every", "1",
+             "--max-eval-examples", "0", "--save-every", "2", "--no-save-final"]
+
+    def finetune(output_dir: str, *more: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "finetune", *flags, "--output-dir", str(tmp_path / output_dir), *more],
+                              capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+
+    assert finetune("first", "--max-steps", "16").returncode == 0  # 8 warmup updates of 16
+    checkpoint = str(tmp_path / "first" / "checkpoints" / "step-000004")
+    resumed = finetune("resumed", "--max-steps", "7", "--resume", checkpoint)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "decay" not in resumed.stdout.replace("before any decay", "")
+    assert "warmup continues from step 4" in resumed.stdout and "the run ends at step 7, inside the 8-step warmup" in resumed.stdout
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if "lr" in r]
+    assert len(lrs) == 3 and lrs == sorted(lrs) and len(set(lrs)) == 3  # still rising
+    past = finetune("past", "--max-steps", "3", "--resume", checkpoint)
+    assert past.returncode == 2 and "Traceback" not in past.stderr
+    assert "Nothing is left to train: the checkpoint is at step 4, past --max-steps 3" in past.stderr

@@ -370,3 +370,21 @@ def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path, strategy):
         counts = json.loads((out / f"optimizer_steps_rank{rank}.json").read_text())
         assert (counts["updates"], counts["epoch"], counts["adamw"]) == (5, 2, [5]), rank
         assert counts["deepspeed"] == (5 if strategy.startswith("zero") else None), rank
+
+
+def test_pure_bf16_full_fine_tuning_under_fsdp2_trains_resumes_bitwise_and_stays_bf16(tmp_path):
+    """--precision bf16-true, full fine-tuning, FSDP2 on 2 processes: bf16 weights, gradients and
+    AdamW states (Accelerate's fp32 upcast off), a bitwise resume, and a checkpoint of bf16 weights."""
+    pure = ("--precision", "bf16-true")
+    reference = tmp_path / "reference"
+    done = finetune("fsdp2", *pure, "--output-dir", str(reference))
+    assert "strategy: FSDP2" in done.stdout and "precision: bf16-true (weights bfloat16, compute bfloat16)" in done.stdout
+    resumed = tmp_path / "resumed"
+    finetune("fsdp2", *pure, "--output-dir", str(resumed), "--resume", str(reference / "checkpoints" / "step-000002"))
+    expected = losses(reference)
+    assert sorted(expected) == [1, 2, 3, 4] and len(set(expected.values())) == 4
+    assert losses(resumed) == {3: expected[3], 4: expected[4]}  # bitwise
+    ours = exported_tensors(reference / "checkpoints" / "step-000004", tmp_path / "export")
+    theirs = exported_tensors(resumed / "checkpoints" / "step-000004", tmp_path / "export-resumed")
+    assert ours and {tensor.dtype for tensor in ours.values()} == {torch.bfloat16}  # never upcast to fp32
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

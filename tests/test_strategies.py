@@ -45,8 +45,20 @@ def test_precision_conflicts_are_refused(requested, method, device, launcher, me
 def test_precisions_that_would_not_run_as_named_are_refused():
     with pytest.raises(FinetuneError, match="fp16-true keeps the weights in fp16"):
         resolve_run(TrainConfig(precision="fp16-true"), Launch(), T4)
-    with pytest.raises(FinetuneError, match="would be bf16-mixed"):
-        resolve_run(TrainConfig(precision="bf16-true"), Launch(world_size=2, fsdp=True), A100)
+
+
+
+def test_pure_bf16_full_fine_tuning_under_fsdp2_turns_accelerates_upcast_off():
+    """Accelerate upcasts trainable 16-bit parameters to fp32 under FSDP2 unless its mixed precision
+    is off: off for bf16-true full fine-tuning there, kept for LoRA (fp32 adapters) and other strategies."""
+    from finetune.train.accelerator import accelerate_mixed_precision
+
+    def mixed_precision(method: str, launch: Launch) -> str:
+        return accelerate_mixed_precision(resolve_run(TrainConfig(precision="bf16-true", method=method), launch, A100))
+
+    assert mixed_precision("full", Launch(world_size=2, fsdp=True)) == "no"
+    assert mixed_precision("lora", Launch(world_size=2, fsdp=True)) == "bf16"
+    assert mixed_precision("full", Launch(world_size=2)) == "bf16"
 
 
 def test_single_process_accelerator_without_launcher(tmp_path, capsys):

@@ -5,9 +5,12 @@ with the fix. Three kinds of keys:
 
 - **Run-owned** (micro batch, accumulation, train batch size, clipping, bf16/fp16): filled from the
   same numbers the loop uses, whether the file writes "auto" or leaves the key out (DeepSpeed would
-  otherwise refuse a file without a batch size, or silently not clip). A fixed value must agree with
-  the run, as the HF Trainer demands; a conflict names file, key and flag ("zero3.json:
-  gradient_accumulation_steps=8 but --gradient-accumulation-steps 4").
+  otherwise refuse a file without a batch size, or silently not clip). A fixed micro batch,
+  accumulation or clipping value becomes the run's where the user gave no flag for it (`adopt`), and
+  a fixed `bf16`/`fp16` `enabled` decides an `auto` precision (`precision_family`); a fixed value
+  must agree with a flag the user gave and with the batch the run resolves (train_batch_size), and
+  a conflict names file, key and flag ("zero3.json: gradient_accumulation_steps=8 but
+  --gradient-accumulation-steps 4").
 - **Adopted** (the `optimizer` and `scheduler` sections: lr, betas, eps, weight decay, warmup, length,
   schedule shape): under the HF Trainer these sections decide how training runs, so a fixed value
   becomes the run's setting wherever the user gave no flag for it (`adopt`); against a flag the user
@@ -112,10 +115,11 @@ def _as(convert: Callable[[Any], Any]) -> Callable[[Any], tuple | None]:
 
 # dotted JSON key → the run value it must equal. Same three bucket formulas as Accelerate/Transformers.
 OWNED: dict[str, Owned] = {
-    "train_micro_batch_size_per_gpu": Owned(("micro_batch_size",), lambda r: r.batch.micro_batch_size),
-    "gradient_accumulation_steps": Owned(("gradient_accumulation_steps",), lambda r: r.batch.gradient_accumulation_steps),
+    "train_micro_batch_size_per_gpu": Owned(("micro_batch_size",), lambda r: r.batch.micro_batch_size, adopt=_as(_count)),
+    "gradient_accumulation_steps": Owned(("gradient_accumulation_steps",), lambda r: r.batch.gradient_accumulation_steps,
+                                         adopt=_as(_count)),
     "train_batch_size": Owned(("global_batch_size",), lambda r: r.batch.global_batch_size),
-    "gradient_clipping": Owned(("max_grad_norm",), lambda r: r.max_grad_norm),
+    "gradient_clipping": Owned(("max_grad_norm",), lambda r: r.max_grad_norm, adopt=_as(_number)),
     "bf16.enabled": Owned(("precision",), lambda r: PRECISIONS[r.precision].accelerate == "bf16"),
     "fp16.enabled": Owned(("precision",), lambda r: PRECISIONS[r.precision].accelerate == "fp16"),
     "zero_optimization.reduce_bucket_size": Owned(("hidden_size",), lambda r: _hidden(r, lambda h: h * h), False),
@@ -168,8 +172,8 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def adopt(raw: dict[str, Any], config: TrainConfig, given: frozenset[str]) -> dict[str, tuple[Any, str]]:
-    """The options the file's `optimizer` and `scheduler` sections decide for this run:
-    option → (value, the key it came from).
+    """The options the file decides for this run (its micro batch, accumulation and clipping, and its
+    `optimizer` and `scheduler` sections): option → (value, the key it came from).
 
     An option is adopted when the file fixes it with a value of the right type and the user gave no
     flag for it (`given`); the first key naming an option wins (optimizer.params.lr before
@@ -263,11 +267,14 @@ def write(resolved: dict[str, Any], path: str | Path) -> None:
 
 
 def precision_family(raw: dict[str, Any]) -> str | None:
-    """"bf16" or "fp16" when the file fixes that section's `enabled` to true (not "auto"), else None."""
-    for family in ("bf16", "fp16"):
-        if str((raw.get(family) or {}).get("enabled", "auto")).lower() == "true":
+    """"bf16" or "fp16" when the file fixes that section's `enabled` to true (not "auto"); "fp32"
+    when it fixes one to false and neither to true (a file that turns 16-bit off asks for fp32);
+    else None."""
+    enabled = {family: str((raw.get(family) or {}).get("enabled", "auto")).lower() for family in ("bf16", "fp16")}
+    for family, value in enabled.items():
+        if value == "true":
             return family
-    return None
+    return "fp32" if "false" in enabled.values() else None
 
 
 def zero_stage(resolved: dict[str, Any]) -> int:

@@ -87,18 +87,12 @@ def default_precision(method: str, bf16: bool) -> Precision:
 
 def check_precision(precision: Precision, method: str, strategy: Strategy | None) -> None:
     """Refuse combinations that would not run as named: fp16 weights cannot be updated stably
-    (Accelerate's loss scaler refuses to unscale fp16 gradients), and Accelerate's FSDP2 upcasts
-    16-bit trainable weights to fp32 master weights, which would make bf16-true full fine-tuning
-    silently bf16-mixed."""
+    (Accelerate's loss scaler refuses to unscale fp16 gradients). (bf16-true full fine-tuning under
+    FSDP2 runs with Accelerate's mixed precision off, see train/accelerator.py, so it stays pure bf16.)"""
     if precision.weights == "float16" and method == "full":
         raise FinetuneError(
             "--precision fp16-true keeps the weights in fp16, which full fine-tuning cannot update stably "
             "(fp16 gradients cannot be unscaled). Use --precision fp16-mixed (fp32 master weights) or LoRA/QLoRA."
-        )
-    if precision.weights == "bfloat16" and method == "full" and strategy is not None and strategy.fsdp:
-        raise FinetuneError(
-            "--precision bf16-true with full fine-tuning under FSDP2: Accelerate keeps fp32 master weights for "
-            "trainable parameters under FSDP2, so the run would be bf16-mixed. Use --precision bf16-mixed."
         )
 
 

@@ -223,18 +223,21 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:
     """The run's Precision. `auto`: fp32 on CPU (so CPU rehearsals compare exact numbers); on a GPU
     the launch's family if it fixes one (the accelerate config's mixed_precision, or a DeepSpeed
-    JSON's bf16/fp16 section set to true), else bf16 where supported, else fp16 (see
+    JSON's bf16/fp16 section set to true, or both off: fp32), else bf16 where supported, else fp16 (see
     `vocabulary.default_precision`). An explicit precision must agree with the launch's family."""
     if requested == "auto":
         if not device.cuda:
             precision = PRECISIONS["fp32"]
         elif launcher in ("bf16", "fp16"):
             precision = default_precision(method, bf16=launcher == "bf16")
+        elif launcher == "fp32":  # a DeepSpeed JSON that turns 16-bit off
+            precision = PRECISIONS["fp32"]
         else:
             precision = default_precision(method, bf16=device.bf16)
     else:
         precision = PRECISIONS[requested]
-        if launcher is not None and precision.accelerate != launcher:
+        # a DeepSpeed JSON's 16-bit turned off, against a flag: its check names file, key and flag
+        if launcher not in (None, "fp32") and precision.accelerate != launcher:
             raise ConfigError(
                 f"--precision {requested} computes in {precision.compute}, but the launch fixes {launcher} (the "
                 f"accelerate config's mixed_precision, or the DeepSpeed JSON's {launcher}.enabled). Remove that setting "
@@ -273,7 +276,7 @@ def with_adopted(config: TrainConfig, adopted: dict, written: DeepSpeedSetup | N
     try:
         validate(config)
     except ConfigError as e:
-        raise ConfigError(f"{written.name}: values adopted from its optimizer/scheduler sections are invalid. {e}") from e
+        raise ConfigError(f"{written.name}: values adopted from it are invalid. {e}") from e
     return config
 
 

@@ -22,7 +22,7 @@ from finetune.data.formats import (
     CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, expected_answer, has_target, id_columns, prompt_ids,
 )
 from finetune.data.packing import pack
-from finetune.data.sources import load_splits, split_eval
+from finetune.data.sources import load_splits, source_digest, split_eval
 from finetune.errors import FinetuneError
 
 __all__ = ["BUILTIN_DIR", "Collator", "PreparedData", "prepare_data"]
@@ -65,7 +65,7 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
     root = cache.cache_root(config.data_cache)
     if root is None:
         return _prepare(splits, config, tokenizer)
-    entry = root / cache.fingerprint(config, splits, tokenizer)
+    entry = root / cache.fingerprint(config, splits, tokenizer, source_digest(config.dataset))
     reused = cache.exists(entry)
     if not reused:
         data = _prepare(splits, config, tokenizer)

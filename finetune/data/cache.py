@@ -1,9 +1,9 @@
 """Tokenized data on disk, reused by every run and every process that would tokenize the same rows
 the same way.
 
-An entry is named by a fingerprint of everything that decides its contents: the rows (the
-fingerprints `datasets` gives the loaded splits, which follow the files' modification times or the
-Hub revision, so an entry is exactly as fresh as the rows themselves), the tokenizer (what
+An entry is named by a fingerprint of everything that decides its contents: the rows (a local
+source's content digest, a SHA-256 of its bytes (content.py), or for a Hub dataset the fingerprints
+`datasets` gives the loaded splits, which follow its revision), the tokenizer (what
 `save_pretrained` writes: vocabulary, merges, special tokens, chat template), the data options
 (`DATA_OPTIONS`), the source of this package, and the versions of the libraries that render and
 tokenize. Changing any of them makes a new entry; nothing is ever updated in place.
@@ -64,10 +64,11 @@ def _code_digest() -> str:
     return _digest(*(part for path in sources for part in (path.name.encode(), path.read_bytes())))
 
 
-def fingerprint(config, splits: datasets.DatasetDict, tokenizer) -> str:
-    """The entry name for preparing `splits` with `tokenizer` as `config` says."""
+def fingerprint(config, splits: datasets.DatasetDict, tokenizer, content: str | None) -> str:
+    """The entry name for preparing `splits` with `tokenizer` as `config` says; `content` is the
+    digest of a local source's bytes (None for a Hub dataset)."""
     ingredients = {
-        "rows": {name: split._fingerprint for name, split in splits.items()},
+        "rows": content or {name: split._fingerprint for name, split in splits.items()},
         "tokenizer": _tokenizer_digest(tokenizer),
         "options": {name: getattr(config, name) for name in DATA_OPTIONS},
         "code": _code_digest(),

@@ -9,6 +9,7 @@ import datasets
 import pyarrow
 from datasets.exceptions import DatasetsError
 
+from finetune.data import content
 from finetune.data.builtin import BUILTIN_DIR, DATASET_FILE
 from finetune.errors import FinetuneError
 
@@ -16,20 +17,36 @@ LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 NO_ROWS_FIX = "Training needs at least one row per split: check the file was written completely, or pass another --dataset."
 
 
+def local_source(name: str) -> Path | None:
+    """The local file or directory `name` means (`builtin` is a file of this package), or None for a
+    Hugging Face Hub dataset id."""
+    path = BUILTIN_DIR / DATASET_FILE if name == "builtin" else Path(name).expanduser()
+    return path if path.is_dir() or path.suffix.lower() in LOCAL_LOADERS or path.exists() else None
+
+
+def source_digest(name: str) -> str | None:
+    """The content digest of a local source (see content.py), None for a Hub dataset (its rows follow
+    its revision, which `datasets` fingerprints)."""
+    path = local_source(name)
+    return content.digest(path) if path is not None and path.exists() else None
+
+
 def load_splits(name: str) -> datasets.DatasetDict:
     """Every split of `name`: `builtin`, a local JSON/JSONL/CSV/Parquet file (one split, `train`),
     a local directory of such files (splits named by file, e.g. train.jsonl and test.jsonl), or a
-    Hugging Face Hub dataset id."""
-    path = BUILTIN_DIR / DATASET_FILE if name == "builtin" else Path(name).expanduser()
-    if path.is_dir():
-        return _load_local(path, str(path))
-    if path.suffix.lower() in LOCAL_LOADERS or path.exists():
+    Hugging Face Hub dataset id. A local source is parsed into a cache folder of its content's own,
+    so rewritten rows are never read from the tables of the old ones."""
+    path = local_source(name)
+    if path is not None and path.is_dir():
+        return _load_local(path, str(path), cache_dir=str(content.sources_cache() / content.digest(path)))
+    if path is not None:
         if not path.is_file():
             raise FinetuneError(f"Dataset file not found: {path}")
         loader = LOCAL_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise FinetuneError(f"{path}: unsupported file type; use .json, .jsonl, .csv or .parquet")
-        return _load_local(loader, str(path), data_files=str(path))
+        return _load_local(loader, str(path), data_files=str(path),
+                           cache_dir=str(content.sources_cache() / content.digest(path)))
     try:
         return datasets.load_dataset(name)
     except (OSError, ValueError, DatasetsError) as e:  # offline, missing and gated all end here

@@ -337,12 +337,33 @@ def actual_error(log: str) -> str | None:
     ours = re.findall(r"finetune [\w-]+: error: .*(?:\n {2,}.*)*", log)
     if ours:
         return ours[-1].strip()
-    raised = [line.strip() for line in log.splitlines()
+    lines = log.splitlines()
+    raised = [i for i, line in enumerate(lines)
               if EXCEPTION_LINE.match(line) and not any(noise in line for noise in LAUNCHER_NOISE)]
     if raised:
-        return raised[-1]
+        return with_details(lines, raised[-1])
     killed = re.search(r"Signal (\d+) \((SIG\w+)\)", log)
     return f"a process was killed by {killed.group(2)}" if killed else None
+
+
+# where an exception's own lines end: a blank line, a new traceback, a launcher's or torch's log line
+DETAILS_END = re.compile(r"^\s*$|^Traceback|^[EWI]\d{4} |^\[[EWI] |^\d{4}-\d\d-\d\d|^(W|E)\d+ ")
+RANK_PREFIX = re.compile(r"^\s*\[rank\d+\]:\s?")
+
+
+def with_details(lines: list[str], index: int) -> str:
+    """The exception at `lines[index]` with the lines its message goes on over: a pydantic
+    ValidationError names the field (`offload_optimizer.pin_memory`) only on the next line."""
+    prefix = RANK_PREFIX.match(lines[index])
+    kept = [lines[index].strip()]
+    for line in lines[index + 1:]:
+        if prefix and not line.startswith(prefix.group(0)):
+            break
+        body = line[prefix.end():] if prefix else line
+        if DETAILS_END.match(body) or EXCEPTION_LINE.match(body) or any(noise in body for noise in LAUNCHER_NOISE):
+            break
+        kept.append("  " + body.strip())
+    return "\n".join(kept)
 
 
 def explain_failure(log: str, returncode: int) -> str:

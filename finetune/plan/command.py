@@ -18,6 +18,7 @@ from finetune.plan import gpus as gpu_catalog
 from finetune.models import catalog as model_catalog
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
+from finetune.library_logs import quiet_libraries
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, plan
 from finetune.plan.files import ACCELERATE_FILE, DEFAULT_CONFIG_DIR, config_texts, train_flags, write_configs
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer's own model and optimizer construction, and compare memory (needs torch). Checks full "
                         "and LoRA with AdamW on one GPU or FSDP2 without offload; for other plans it simulates the "
                         "best-ranked plan it checks and says so")
+    parser.add_argument("--verbose", action="store_true", help="with --simulate: also show the libraries' logs and warnings")
     return parser
 
 
@@ -143,6 +145,8 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
     if args.simulate:
+        if not args.verbose:
+            quiet_libraries()
         note(simulation_text(plans, recommended))
     return 0
 

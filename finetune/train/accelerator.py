@@ -62,7 +62,7 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
             # epoch's last window
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=run.batch.gradient_accumulation_steps, sync_with_dataloader=False),
-            mixed_precision=run.precision.accelerate,
+            mixed_precision=accelerate_mixed_precision(run),
             log_with=None if config.report_to == "none" else config.report_to,
             project_dir=config.output_dir,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -109,6 +109,15 @@ def free_port() -> int:
 def fsdp_plugin_from_launch() -> FullyShardedDataParallelPlugin:
     """The FSDP2 plugin the accelerate config asks for (`resolve_run` has refused FSDP1)."""
     return FullyShardedDataParallelPlugin()
+
+
+def accelerate_mixed_precision(run: ResolvedRun) -> str:
+    """Accelerate's mixed_precision for the run. Pure bf16 full fine-tuning under FSDP2 (bf16-true:
+    bf16 weights, gradients and AdamW states, as torchtune trains) passes "no": with any other value
+    Accelerate upcasts trainable 16-bit parameters to fp32 master weights in `prepare`, which would
+    make the run bf16-mixed. The weights are bf16 already, so every matmul computes in bf16."""
+    pure_bf16 = run.precision.weights == "bfloat16" and run.config.method == "full"
+    return "no" if pure_bf16 and run.strategy.name == "fsdp" else run.precision.accelerate
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:

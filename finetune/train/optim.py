@@ -93,12 +93,37 @@ def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, max_s
 
 
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, max_steps: int, step: int) -> str | None:
-    """After a resume, make the restored schedule end at this run's `max_steps` (see
-    `LRSchedule.continue_to`); returns what changed, for the log, or None if nothing did."""
+    """After a resume at `step`, make the restored schedule end at this run's `max_steps` (see
+    `LRSchedule.continue_to`); returns what the rest of the run will do, for the log, or None if
+    nothing changed.
+
+    Raises FinetuneError when the checkpoint is already past `max_steps`: training would do nothing,
+    and exiting 0 would read as a finished run of the length asked for.
+    """
+    if step > max_steps:
+        raise FinetuneError(
+            f"Nothing is left to train: the checkpoint is at step {step}, past --max-steps {max_steps}. "
+            f"Raise --max-steps to train on, or pass another --output-dir to start over."
+        )
+    if step == max_steps:
+        return f"nothing is left to train: the checkpoint is at step {step} = --max-steps"
     schedule = scheduler.lr_lambdas[0]
     if schedule.max_steps == max_steps:
         return None
     before = schedule.max_steps
     schedule.continue_to(max_steps, step)
-    return (f"LR schedule: --max-steps {before} → {max_steps}; the decay continues from step {step} "
-            f"(lr {scheduler.get_last_lr()[0]:.3e}, unchanged) to {schedule.min_lr_ratio:g} × peak at step {max_steps}")
+    return f"LR schedule: --max-steps {before} → {max_steps}; " + _rest_of_schedule(schedule, scheduler, step)
+
+
+def _rest_of_schedule(schedule: LRSchedule, scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> str:
+    """What the LR does from `step` to `schedule.max_steps`, in the order it does it."""
+    lr, peak, end = scheduler.get_last_lr()[0], scheduler.base_lrs[0], schedule.max_steps
+    decay = ("the LR stays at peak" if schedule.schedule == "constant" else
+             f"the {schedule.schedule} decay goes on to {schedule.min_lr_ratio:g} × peak at step {end}")
+    if step >= schedule.warmup_steps:
+        return f"from step {step} (lr {lr:.3e}, unchanged) {decay}"
+    warmup = f"warmup continues from step {step} (lr {lr:.3e}, still rising)"
+    if end <= schedule.warmup_steps:
+        return (f"{warmup}; the run ends at step {end}, inside the {schedule.warmup_steps}-step warmup, "
+                f"at lr {peak * schedule(end - 1):.3e}, before any decay")
+    return f"{warmup} to the peak {peak:.3e} at step {schedule.warmup_steps}; then {decay}"

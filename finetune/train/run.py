@@ -29,7 +29,7 @@ from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, prepare_data
 from finetune.models import loading
 from finetune.plan import gpus
-from finetune.train import dry_run, loop
+from finetune.train import dry_run, loop, ranks
 from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
@@ -121,11 +121,12 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
-    with accelerator.local_main_process_first():
+    with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
-    model = loading.load_model(run, accelerator.device)
+    with ranks.together(accelerator):
+        model = loading.load_model(run, accelerator.device)
     if config.packing:
         loading.check_packing_support(model)
 
