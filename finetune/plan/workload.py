@@ -53,6 +53,7 @@ class Workload:
     loss: str = "transformers"  # how logits and cross-entropy are held: see memory.LOSS_BYTES_PER_VOCAB
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
+    compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
 
     @property
     def world_size(self) -> int:
