@@ -27,6 +27,7 @@ from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.train.accelerator import build_accelerator
+from finetune.train.speedups import apply_speedups
 
 
 def main(command: Command) -> int:
@@ -82,6 +83,7 @@ def train(run: ResolvedRun, device: Device) -> dict:
     model = loading.load_model(run, accelerator.device)
     if config.packing:
         loading.check_packing_support(model)
+    model = apply_speedups(model, config, accelerator.device.type == "cuda", say)
 
     collator = Collator(tokenizer)
     train_loader = DataLoader(data.train, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
