@@ -28,6 +28,7 @@ Ratios of wall-clock medians from 2 rounds on a loaded machine are noise (bench/
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -167,8 +168,11 @@ def main() -> None:
             "transformers Trainer": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
             "Trainer, group_by_length": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup,
                                                                           "group_by_length"),
-            "TRL SFTTrainer": lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
         }
+        if importlib.util.find_spec("trl"):
+            tools["TRL SFTTrainer"] = lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup)
+        else:
+            print("trl is not installed (pip install trl): TRL SFTTrainer left out")
         rates, settings, loads = {name: [] for name in tools}, {}, []
         for round_ in range(args.rounds):
             for name in list(tools)[:: -1 if round_ % 2 else 1]:
@@ -176,13 +180,12 @@ def main() -> None:
                 rates[name].append(rate)
                 loads.append(os.getloadavg()[0])
     import transformers
-    import trl
 
     mean_len = statistics.mean(len(ids) for ids in rows["input_ids"])
     print(f"LoRA r16 all-linear, {MODEL}, fp32, micro batch {MICRO_BATCH}, max {MAX_SEQ_LEN} tokens (mean row "
           f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds; torch "
-          f"{torch.__version__} threads {torch.get_num_threads()}, transformers {transformers.__version__}, trl "
-          f"{trl.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
+          f"{torch.__version__} threads {torch.get_num_threads()}, transformers "
+          f"{transformers.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
     print("\n".join(summary_lines(rates, settings)))
 
 
