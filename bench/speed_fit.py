@@ -2,6 +2,7 @@
 
     python bench/speed_fit.py                      # the committed CALIBRATION against every measured row
     python bench/speed_fit.py --fit                # refit the coefficients (prints a CALIBRATION to paste)
+    python bench/speed_fit.py --leave-one-out      # each finetune row planned by a fit without it
     python bench/speed_fit.py --csv bench/gpu/measured/h100-2026-11-25.csv --markdown
 
 Rows come from bench/gpu/measured/*.csv (one GPU class per file, with device, date and versions).
@@ -89,6 +90,20 @@ def fit(rows: list[dict]) -> Calibration:
     return calibration(result.x)
 
 
+def leave_one_out(rows: list[dict]) -> list[str]:
+    """Out-of-sample errors: 8 rows and 6 coefficients make in-sample errors optimistic."""
+    lines = []
+    for i, row in enumerate(rows):
+        if row["framework"] != "finetune":
+            continue
+        calibration = fit(rows[:i] + rows[i + 1:])
+        error = planned(row, calibration) / float(row["tokens_per_second"]) - 1
+        lines.append(f"{row['model']:<13} {row['method']:<5} s{row['seq_len']:<5} b{row['micro_batch_size']} "
+                     f"left out: planned {planned(row, calibration):>9,.0f} vs measured {float(row['tokens_per_second']):>9,.0f} "
+                     f"({error:+.0%})")
+    return lines
+
+
 def reserved_slack(rows: list[dict]) -> tuple[float, list[dict]]:
     """Largest reserved/allocated − 1 among rows with expandable segments, and the rows it rests on."""
     measured = [r for r in rows if r["allocated_gib"] and r["reserved_gib"]]
@@ -115,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, nargs="*", default=sorted(MEASURED.glob("*.csv")))
     parser.add_argument("--fit", action="store_true", help="refit the coefficients instead of using CALIBRATION")
+    parser.add_argument("--leave-one-out", action="store_true", help="plan each finetune row with a fit that left it out")
     args = parser.parse_args(argv)
     rows = read_rows(args.csv)
+    if args.leave_one_out:
+        print("\n".join(leave_one_out(speed_rows(rows))))
+        return 0
     calibration = fit(speed_rows(rows)) if args.fit else CALIBRATION
     if args.fit:
         print("CALIBRATION = " + repr(replace(calibration)).replace("Calibration(", "Calibration(\n    ") + "\n")
