@@ -268,6 +268,7 @@ def optimizer_seconds(w: Workload) -> float:
 
 
 def memory_bytes_per_s(w: Workload) -> float:
+    """The GPU's memory bandwidth, bytes/s (datasheet; else the H100's scaled by peak TFLOP/s)."""
     tb_per_s = MEMORY_TB_PER_S.get(w.gpu.name, MEMORY_TB_PER_S["H100-80GB"] * w.gpu.bf16_tflops / 989)
     return tb_per_s * 1e12
 
