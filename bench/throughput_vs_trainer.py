@@ -16,14 +16,19 @@ most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointin
 
 Throughput = tokens the model reads (padding excluded) / seconds spent in optimizer updates after
 `--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
-update done (finetune's loop clock; `on_step_begin` → `on_step_end` for the Trainers).
+update done (finetune's loop clock; `on_step_begin` → `on_step_end` for the Trainers), on two clocks:
+wall time, and the process's CPU time (finetune: `process_cpu_seconds` of its metrics.jsonl lines),
+which a shared machine's load disturbs far less. Each tool runs once per round; the table gives
+the median over rounds, the spread (min–max), and finetune's ratio to each tool on both clocks.
+Ratios of wall-clock medians from 2 rounds on a loaded machine are noise (bench/RESULTS.md).
 
-    python bench/throughput_vs_trainer.py [--steps 8] [--warmup 2] [--rounds 2]
+    python bench/throughput_vs_trainer.py [--steps 8] [--warmup 2] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -44,7 +49,7 @@ DATASET = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
 MICRO_BATCH, MAX_SEQ_LEN, LR = 8, 128, 1e-3
 
 
-def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[float, str]:
+def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[tuple[float, float], str]:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "finetune", "--model", MODEL, "--method", "lora", "--dataset", str(DATASET),
                    "--eval-split", "test", "--max-eval-examples", "0", "--micro-batch-size", str(MICRO_BATCH),
@@ -56,7 +61,10 @@ def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[float, str]:
     tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps_, steps_)]  # cumulative → per update
     timed = list(zip(tokens, steps_))[warmup:]
     seconds = sum(n / r["tokens_per_second"] for n, r in timed)
-    return sum(n for n, _ in timed) / seconds, "python -m finetune (its metrics.jsonl)"
+    # process CPU time is cumulative per line: the timed updates span from the last untimed line on
+    cpu = steps_[-1]["process_cpu_seconds"] - steps_[warmup - 1]["process_cpu_seconds"] if warmup else float("nan")
+    read = sum(n for n, _ in timed)
+    return (read / seconds, read / cpu), "python -m finetune (its metrics.jsonl)"
 
 
 class CountingCollator:
@@ -81,25 +89,28 @@ def lora_model(source: str):
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
-def tokens_per_second(trainer, warmup: int) -> float:
-    """Train with `trainer` and return the tokens/s of its updates after the first `warmup`."""
+def tokens_per_second(trainer, warmup: int) -> tuple[float, float]:
+    """Train with `trainer` and return the tokens per wall second and per process CPU second of its
+    updates after the first `warmup`."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.seconds = []
+            self.seconds, self.cpu_seconds = [], []
 
         def on_step_begin(self, args, state, control, **_):
-            self.started = time.perf_counter()
+            self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **_):
             self.seconds.append(time.perf_counter() - self.started)
+            self.cpu_seconds.append(time.process_time() - self.cpu_started)
 
     clock = Clock()
     trainer.add_callback(clock)
     trainer.data_collator = counter = CountingCollator(trainer.data_collator)  # read when train() builds its loader
     trainer.train()
-    return sum(counter.tokens[warmup:len(clock.seconds)]) / sum(clock.seconds[warmup:])
+    read = sum(counter.tokens[warmup:len(clock.seconds)])
+    return read / sum(clock.seconds[warmup:]), read / sum(clock.cpu_seconds[warmup:])
 
 
 def common_arguments(out: str, steps: int) -> dict:
@@ -110,7 +121,7 @@ def common_arguments(out: str, steps: int) -> dict:
             "fp16": False, "gradient_checkpointing": False, "seed": 0}
 
 
-def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[float, str]:
+def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[tuple[float, float], str]:
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     tokenizer.padding_side = "right"
@@ -122,7 +133,7 @@ def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: 
     return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}"
 
 
-def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[float, str]:
+def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
     import datasets
     from trl import SFTConfig, SFTTrainer
 
@@ -142,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer updates per tool")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates first")
-    parser.add_argument("--rounds", type=int, default=2, help="passes over the tools, every other one in reverse "
+    parser.add_argument("--rounds", type=int, default=5, help="passes over the tools, every other one in reverse "
                         "order so that drift in machine load hits each tool alike; the table shows the median")
     args = parser.parse_args()
 
@@ -157,8 +168,11 @@ def main() -> None:
             "transformers Trainer": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
             "Trainer, group_by_length": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup,
                                                                           "group_by_length"),
-            "TRL SFTTrainer": lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup),
         }
+        if importlib.util.find_spec("trl"):
+            tools["TRL SFTTrainer"] = lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup)
+        else:
+            print("trl is not installed (pip install trl): TRL SFTTrainer left out")
         rates, settings, loads = {name: [] for name in tools}, {}, []
         for round_ in range(args.rounds):
             for name in list(tools)[:: -1 if round_ % 2 else 1]:
@@ -166,19 +180,31 @@ def main() -> None:
                 rates[name].append(rate)
                 loads.append(os.getloadavg()[0])
     import transformers
-    import trl
 
     mean_len = statistics.mean(len(ids) for ids in rows["input_ids"])
     print(f"LoRA r16 all-linear, {MODEL}, fp32, micro batch {MICRO_BATCH}, max {MAX_SEQ_LEN} tokens (mean row "
           f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds; torch "
-          f"{torch.__version__} threads {torch.get_num_threads()}, transformers {transformers.__version__}, trl "
-          f"{trl.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
-    ours = statistics.median(rates["finetune"])
-    print(f"{'tool':26}{'tokens/s':>10}{'finetune ×':>12}  {'each round':18}settings")
+          f"{torch.__version__} threads {torch.get_num_threads()}, transformers "
+          f"{transformers.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
+    print("\n".join(summary_lines(rates, settings)))
+
+
+def summary_lines(rates: dict[str, list[tuple[float, float]]], settings: dict[str, str]) -> list[str]:
+    """Per tool: median tokens/s over rounds with min–max, on the wall and the CPU clock, and
+    finetune's ratio of medians on each."""
+    def median(name, clock):
+        return statistics.median(r[clock] for r in rates[name])
+
+    lines = [f"{'tool':26}{'wall tok/s (min-max)':>24}{'CPU tok/s (min-max)':>24}{'finetune × wall':>17}"
+             f"{'× CPU':>8}  settings"]
     for name, measured in rates.items():
-        rate = statistics.median(measured)
-        rounds = " ".join(f"{r:.1f}" for r in measured)
-        print(f"{name:26}{rate:>10.1f}{ours / rate:>11.2f}×  {rounds:18}{settings[name]}")
+        cells = []
+        for clock in (0, 1):
+            values = [r[clock] for r in measured]
+            cells.append(f"{median(name, clock):.1f} ({min(values):.1f}-{max(values):.1f})")
+        lines.append(f"{name:26}{cells[0]:>24}{cells[1]:>24}{median('finetune', 0) / median(name, 0):>16.2f}×"
+                     f"{median('finetune', 1) / median(name, 1):>7.2f}×  {settings[name]}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Each subcommand lives in the module that owns it and is imported only when used,
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from finetune.errors import FinetuneError, ReportedElsewhere
@@ -24,8 +25,19 @@ SUBCOMMANDS = {
     "scaling": "finetune.launch.scaling:main",
 }
 
+# What runs out on a GPU is reserved memory; expandable segments keep it close to what is allocated
+# (plan.memory.ALLOCATOR_SLACK). CUDA reads it once, when it initialises: set before torch loads.
+ALLOCATOR_CONF = "expandable_segments:True"
+
+
+def use_expandable_segments(environ=os.environ) -> None:
+    """Set PYTORCH_CUDA_ALLOC_CONF unless the user set it (or torch ≥ 2.9's PYTORCH_ALLOC_CONF)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF
+
 
 def main(argv: list[str] | None = None) -> int:
+    use_expandable_segments()
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
     module_name, function_name = SUBCOMMANDS[name].split(":")

@@ -2,6 +2,7 @@
 their RECORD, the carry budget counts what travels, memory.py lists its grid with the planner's
 predictions, and run.sh installs and stops cleanly where CUDA is first needed."""
 
+import argparse
 import csv
 import dataclasses
 import os
@@ -149,3 +150,23 @@ def test_results_table_and_csv_compare_measured_with_planned(tmp_path):
     written = list(csv.DictReader((tmp_path / "memory.csv").open()))
     assert (written[0]["allocated_error"], written[0]["reserved_error"]) == ("0.1", "-0.1")
     assert written[1]["predicted_allocated_gib"] == ""
+
+
+def test_throughput_dry_run_lists_every_program_with_finetune_planned():
+    import throughput
+
+    result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
+                             "--micro-batch-size", "4"], capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert "mistral-7b qlora" in lines[0] and "micro batch 4" in lines[0]
+    rows = {row.name: row for row in throughput.ROWS}
+    assert {row.program for row in rows.values()} == {"finetune", "trl", "peft-loop"}
+    for line in lines[1:]:
+        name = line[:36].strip()
+        row = rows.pop(name)
+        if row.program == "finetune":
+            args = argparse.Namespace(model="mistral-7b", method="qlora", seq_len=4096, micro_batch_size=4, gpu="H100-80GB")
+            assert f"planned {throughput.planned(row, args):,.0f} tok/s" in line
+        else:
+            assert "not planned" in line
+    assert rows == {}

@@ -26,7 +26,7 @@ WORK=${KIT_WORK:-/tmp/finetune-gpukit}
 STEPS=${KIT_STEPS:-tests doctor memory}
 mkdir -p "$OUT" "$WORK"
 export HF_HOME="$WORK/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" TRITON_CACHE_DIR="$WORK/triton" MPLCONFIGDIR="$WORK/mpl"
+export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" TRITON_CACHE_DIR="$WORK/triton" MPLCONFIGDIR="$WORK/mpl" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor"
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 exec > >(tee -a "$OUT/run.log") 2>&1
 

@@ -17,11 +17,12 @@ from finetune.plan.workload import Workload
 GIB = 2**30
 
 # PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
-# between differently sized activations). Reserved/allocated at the training peak, measured in the
-# same run: fms-acceleration's A100 reference runs of plain HF Trainer (14 dense single-GPU runs:
-# quartiles 1.16 / 1.27 / 1.31), Answer.AI's fsdp_qlora (1.12, 1.24), torchtune (1.01). 0.15 is
-# the lower quartile of the largest sample (bench/RESULTS.md says which rows this touches).
-ALLOCATOR_SLACK = 0.15
+# between differently sized activations); what runs out is the reserved memory. finetune runs with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli.py), which keeps the gap small: one H100,
+# a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
+# allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
+# largest measured ratio − 1 with expandable segments (bench/gpu/measured/*.csv, bench/speed_fit.py).
+ALLOCATOR_SLACK = 0.16
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
 CUDA_CONTEXT_GIB = 0.5
@@ -53,10 +54,16 @@ class Breakdown:
         """Predicted torch.cuda.max_memory_allocated()."""
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
+    @property
+    def reserved(self) -> float:
+        """Predicted torch.cuda.max_memory_reserved() with expandable segments."""
+        return self.allocated * (1 + ALLOCATOR_SLACK)
+
     def device(self, world_size: int) -> float:
-        """Predicted device memory as nvidia-smi shows it: allocated + allocator slack + context."""
+        """Predicted device memory as nvidia-smi shows it, what the fit check compares with the
+        GPU's memory: reserved + CUDA context (+ NCCL)."""
         context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)
-        return self.allocated * (1 + ALLOCATOR_SLACK) + context * GIB
+        return self.reserved + context * GIB
 
     @property
     def host(self) -> float:
@@ -245,6 +252,9 @@ LOSS_BYTES_PER_VOCAB = {
     # the same loss under torch.compile: Inductor saves only the logits and recomputes each of the
     # 8 chunks' fp32 softmax in backward (upcast, softmax and gradient: 3 × 4 bytes / 8)
     "chunked-compiled": lambda logits: logits + 1.5,
+    # Liger's fused linear cross-entropy (--liger): LM head, loss and gradient chunk by chunk,
+    # never the full-vocabulary logits
+    "liger": lambda logits: 0,
 }
 
 

@@ -30,6 +30,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "memory_per_gpu_gib": {
             **{term: _gib(getattr(m, term)) for term in TERMS},
             "allocated": _gib(m.allocated),
+            "reserved": _gib(m.reserved),
             "device": _gib(m.device(w.world_size)),
         },
         "peak_phase": m.peak_phase,
@@ -38,6 +39,8 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "trainable_params": trainable_params(w),
         "tokens_per_second": round(p.speed.tokens_per_second, 1),
         "communication_bound": p.speed.comm_bound,
+        "speed_calibrated": p.speed.calibrated,
+        "speed_basis": p.speed.basis,
         "hours": round(hours, 2) if hours is not None else None,
         "usd": round(cost, 2) if cost is not None else None,
         "launch_command": launch_command(p, config_dir),
@@ -78,7 +81,8 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
         f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
         "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
-        "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights)",
+        "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights); "
+        "tok/s~ = extrapolated, not calibrated on measured runs of this GPU class and setup",
         "",
     ]
     header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s", "hours", "$")
@@ -91,7 +95,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
             str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),
-            f"{p.speed.tokens_per_second:,.0f}", f"{hours:.1f}" if hours is not None else "-",
+            f"{p.speed.tokens_per_second:,.0f}{'' if p.speed.calibrated else '~'}", f"{hours:.1f}" if hours is not None else "-",
             f"{cost:,.0f}" if cost is not None else "-",
         ))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]

@@ -1,5 +1,16 @@
-"""Tokens per second of a workload: compute at a fixed fraction of the GPU's peak, plus the
+"""Tokens per second of a workload: a per-update cost fitted to measured runs, plus the
 communication that compute cannot hide, plus offload copies and the host optimizer step.
+
+One GPU's time per micro-batch is the larger of two clocks that run side by side:
+- the host issuing kernels (eager PyTorch: Python and launch overhead per decoder layer, per
+  PEFT-adapted linear and per bitsandbytes dequantization; regional compilation shrinks it), and
+- the GPU executing them (matmul FLOPs at an efficiency that grows with the tokens per micro-batch,
+  attention FLOPs by sequence length, memory-bound passes over the logits and 4-bit weights).
+Small shapes are bound by the first (a 1B LoRA at seq 512 spends ~135 ms per update on an H100
+whatever its FLOPs), large ones by the second. The optimizer step follows, memory-bound.
+The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to the runs committed in
+bench/gpu/measured/*.csv; GPUs without measurements scale the GPU clock by their peak TFLOP/s and
+memory bandwidth, and `Speed.calibrated` says which kind a number is.
 
 Communication is counted collective by collective (an α–β model): each collective moves a known
 number of bytes per rank over the link (ring algorithms send (n−1)/n of the buffer per all-gather
@@ -9,9 +20,6 @@ micro-batch's backward, FSDP2/ZeRO-3 prefetch all-gathers during each forward an
 ZeRO-1/2 gather the updated weights after the optimizer step, where nothing hides them.
 `finetune scaling` measures tokens/s on 1, 2, … processes and times the gradient all-reduce to
 check this model.
-
-A rough model by design: it ranks plans (sharding over PCIe vs NVLink, offload, QLoRA's
-dequantization) and flags communication-bound ones; absolute numbers are ±30 %.
 """
 
 from __future__ import annotations
@@ -19,18 +27,54 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, trainable_params
-from finetune.plan.params import count_params
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
+from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
 from finetune.plan.workload import Workload
 
-# Fraction of the GPU's dense bf16 peak a fine-tuning step reaches with transformers + SDPA
-# (model FLOPs utilisation; published HF/Accelerate fine-tuning runs report 35–50 % on A100/H100).
-BASE_MFU = 0.40
-# bitsandbytes dequantizes every 4-bit weight for each forward and backward matmul: QLoRA steps
-# run at about 0.6× the speed of LoRA on a 16-bit base (QLoRA paper and bitsandbytes benchmarks).
-QLORA_SPEED = 0.6
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Coefficients of one GPU's time per micro-batch, fitted to measured runs by bench/speed_fit.py."""
+
+    layer_issue_s: float  # host time to issue one decoder layer's forward + backward in eager transformers
+    adapter_issue_s: float  # the same per PEFT LoRA linear (dropout, A, B, scale, add and their backward)
+    dequant_issue_s: float  # per bitsandbytes 4-bit linear per dequantization (forward, backward, recompute)
+    peak_mfu: float  # fraction of the dense bf16 peak the matmuls reach at large micro-batches
+    half_tokens: float  # tokens per micro-batch at which the matmuls reach half of peak_mfu
+    liger_gpu_speedup: float  # GPU clock without ÷ with Liger kernels (TRL SFTTrainer ± use_liger_kernel)
+
+
+# Fitted on one H100 80GB (torch 2.11 + CUDA 13, transformers 5.17, peft 0.21, eager, SDPA):
+# bench/gpu/measured/h100-2026-11-25.csv, `python bench/speed_fit.py` (bench/RESULTS.md, per row).
+CALIBRATION = Calibration(
+    layer_issue_s=6.48e-3, adapter_issue_s=0.334e-3, dequant_issue_s=0.441e-3, peak_mfu=0.438, half_tokens=1695,
+    liger_gpu_speedup=1.214,
+)
+# GPU classes with measured runs behind CALIBRATION; every other GPU is extrapolated from them.
+CALIBRATED_GPUS = ("H100-80GB",)
+# Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
+# 58 of 145 ms); checkpointing runs the forward again in the backward.
+FORWARD_SHARE = 0.4
+# Attention FLOPs (flash / memory-efficient SDPA) run at this fraction of the matmuls' rate:
+# FlashAttention-2 reports 50–73 % of peak forward and less backward, dense GEMMs ~75 % (assumed, not fitted).
+ATTENTION_SPEED = 0.6
+# Regional compilation of the decoder blocks fuses the elementwise kernels and skips most of the
+# Python of each layer; the issue time of a compiled layer as a fraction of eager. NOT MEASURED:
+# an assumption until a compiled run is committed, so such plans are marked extrapolated.
+COMPILED_ISSUE = 0.35
 # fp32 matmuls run on TF32 tensor cores: half the bf16 rate.
 FP32_SPEED = 0.5
+# Bytes per vocabulary entry per token that transformers' unfused loss moves through memory:
+# 16-bit logits written and read, fp32 upcast, log-softmax and its gradient, 16-bit logit gradient.
+UNFUSED_LOSS_BYTES = 24
+# Memory bandwidth, TB/s (vendor datasheets), for the memory-bound passes (loss, dequantization,
+# optimizer step); GPUs missing here scale the H100's by their peak TFLOP/s.
+MEMORY_TB_PER_S = {
+    "A100-40GB": 1.555, "A100-80GB": 2.039, "H100-80GB": 3.35, "H200": 4.8, "L40S": 0.864, "A10G": 0.6,
+    "L4": 0.3, "RTX3090": 0.936, "RTX4090": 1.008, "RTX6000-Ada": 0.96, "V100-16GB": 0.9, "V100-32GB": 0.9,
+    "T4": 0.32, "MI300X": 5.3,
+}
 # Share of a compute window that communication issued during it can hide under: NCCL kernels take
 # SMs and memory bandwidth from the compute they overlap with, and the first bucket only starts
 # once its gradients exist.
@@ -81,11 +125,17 @@ class Collective:
 @dataclass(frozen=True)
 class Speed:
     tokens_per_second: float  # whole cluster
-    compute_s_per_token: float  # per GPU
+    compute_s_per_token: float  # per GPU: the larger of the host's and the GPU's clock, and the optimizer step
     comm_s_per_token: float  # per GPU, all collectives, before overlap
     exposed_comm_s_per_token: float  # per GPU, the part compute does not hide
     offload_s_per_token: float  # per GPU: PCIe copies and the host optimizer step
     comm_bound: bool
+    launch_bound: bool = False  # the host issuing kernels, not the GPU, sets the pace
+    basis: str = ""  # "calibrated on H100-80GB" or "extrapolated: <why>"
+
+    @property
+    def calibrated(self) -> bool:
+        return self.basis.startswith("calibrated")
 
     @property
     def scaling_efficiency(self) -> float:
@@ -102,10 +152,15 @@ def training_flops(w: Workload) -> tuple[float, float]:
     adapters = 0 if w.method == "full" else trainable_params(w)
     matmul = count_params(w.model).matmul + adapters
     trainable = matmul if w.method == "full" else adapters
-    attention = 2 * w.seq_len * w.model.num_heads * w.model.resolved_head_dim * w.model.num_layers
+    attention = attention_flops(w)
     forward = 2 * matmul + attention
     backward = 2 * matmul + 2 * trainable + 2 * attention
     return forward, backward + (forward if w.gradient_checkpointing else 0)
+
+
+def attention_flops(w: Workload) -> float:
+    """Forward attention FLOPs per token: 2·s·width per layer (the causal half of QKᵀ and AV)."""
+    return 2 * w.seq_len * w.model.num_heads * w.model.resolved_head_dim * w.model.num_layers
 
 
 def gathered_weight_bytes(w: Workload) -> float:
@@ -173,14 +228,69 @@ def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: f
     return exposed
 
 
-def estimate_speed(w: Workload) -> Speed:
+def issue_seconds(w: Workload, c: Calibration) -> float:
+    """Host time to issue one micro-batch's kernels: per decoder layer, per adapted linear (once
+    more for the forward that checkpointing recomputes), per 4-bit dequantization."""
+    layers = w.model.num_layers
+    adapted = 0 if w.method == "full" else layers * len(resolve_lora_targets(w.model, w.lora_targets))
+    passes = 1 + (FORWARD_SHARE if w.gradient_checkpointing else 0.0)
+    per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
+    dequant = 0.0
+    if w.method == "qlora":  # each 4-bit linear is dequantized in the forward, the backward and any recompute
+        dequant = layers * len(layer_linears(w.model)) * (2 + w.gradient_checkpointing) * c.dequant_issue_s
+    return passes * per_pass + dequant
+
+
+def gpu_seconds(w: Workload, c: Calibration) -> float:
+    """GPU time of one micro-batch: matmuls at an efficiency that grows with the tokens per
+    micro-batch, attention by sequence length, and the memory-bound passes."""
+    tokens = w.tokens_per_micro_batch
+    rate = w.gpu.bf16_tflops * 1e12 * c.peak_mfu * tokens / (tokens + c.half_tokens)
+    rate *= FP32_SPEED if w.precision.fp32 else 1.0
+    forward, backward = training_flops(w)
+    attention = attention_flops(w) * (3 + w.gradient_checkpointing)  # forward, backward twice, recompute
+    seconds = tokens * ((forward + backward - attention) / rate + attention / (rate * ATTENTION_SPEED))
+    moved = 0.0 if w.loss == "liger" else tokens * w.model.vocab_size * UNFUSED_LOSS_BYTES
+    if w.method == "qlora":  # 4-bit read, 16-bit written, per dequantization
+        moved += count_params(w.model).quantizable * 2.5 * (2 + w.gradient_checkpointing)
+    seconds += moved / memory_bytes_per_s(w)
+    return seconds / (c.liger_gpu_speedup if w.loss == "liger" else 1.0)
+
+
+def optimizer_seconds(w: Workload) -> float:
+    """The optimizer step, memory-bound: trainable weights, gradients and states read, weights and
+    states written (and the foreach temporaries), for the share of states this GPU updates
+    (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
+    states = model_states(w)
+    share = place_states(w, states).optimizer / states.optimizer if states.optimizer else 0.0
+    moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + 2 * states.step_scratch
+    return share * moved / memory_bytes_per_s(w)
+
+
+def memory_bytes_per_s(w: Workload) -> float:
+    """The GPU's memory bandwidth, bytes/s (datasheet; else the H100's scaled by peak TFLOP/s)."""
+    tb_per_s = MEMORY_TB_PER_S.get(w.gpu.name, MEMORY_TB_PER_S["H100-80GB"] * w.gpu.bf16_tflops / 989)
+    return tb_per_s * 1e12
+
+
+def speed_basis(w: Workload) -> str:
+    """Whether the compute clock rests on runs measured on this GPU class, and if not, why not."""
+    if w.gpu.name not in CALIBRATED_GPUS:
+        return f"extrapolated: no measured runs on {w.gpu.name} (calibrated on {', '.join(CALIBRATED_GPUS)})"
+    if w.compile:
+        return "extrapolated: compiled blocks not measured yet"
+    if w.world_size > 1 or w.offload != "none":
+        return f"extrapolated: calibrated on one {w.gpu.name}; communication and offload not measured"
+    return f"calibrated on {w.gpu.name}"
+
+
+def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed:
     n = w.world_size
-    efficiency = BASE_MFU * (QLORA_SPEED if w.method == "qlora" else 1.0) * (FP32_SPEED if w.precision.fp32 else 1.0)
-    throughput = w.gpu.bf16_tflops * 1e12 * efficiency
-    tokens_micro = w.tokens_per_micro_batch
-    tokens_update = tokens_micro * w.gradient_accumulation_steps
-    forward, backward = (flops * tokens_micro / throughput for flops in training_flops(w))  # seconds per micro-batch
-    compute = w.gradient_accumulation_steps * (forward + backward)
+    tokens_update = w.tokens_per_micro_batch * w.gradient_accumulation_steps
+    issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration)
+    forward_share = training_flops(w)[0] / sum(training_flops(w))
+    forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
+    compute = w.gradient_accumulation_steps * max(issue, gpu) + optimizer_seconds(w)
 
     items = collectives(w)
     gb_per_s, latency_s = link(w)
@@ -203,4 +313,6 @@ def estimate_speed(w: Workload) -> Speed:
         exposed_comm_s_per_token=exposed / tokens_update,
         offload_s_per_token=offload / tokens_update,
         comm_bound=comm > compute,
+        launch_bound=issue > gpu,
+        basis=speed_basis(w),
     )

@@ -54,6 +54,7 @@ class Workload:
     loss: str = "transformers"  # how logits and cross-entropy are held: see memory.LOSS_BYTES_PER_VOCAB
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
+    compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
@@ -95,4 +96,7 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         gradient_checkpointing=config.gradient_checkpointing, lora_r=config.lora_r, lora_targets=config.lora_targets,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps, lora_dropout=config.lora_dropout,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
+        # switches left unset resolve on the device (train.speedups); plan them as off, which
+        # keeps the logits in the memory estimate
+        loss="liger" if config.liger else "transformers", compile=bool(config.compile),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ class MetricsRecorder:
         if step % self.log_every and step != self.max_steps:
             return
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
-                  "tokens_per_second": tokens_per_second, **peak_memory_gib()}
+                  "tokens_per_second": tokens_per_second, "process_cpu_seconds": time.process_time(), **peak_memory_gib()}
         self._write(record)
 
     def record_eval(self, step: int, result: dict) -> None:

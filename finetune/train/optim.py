@@ -77,7 +77,8 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> t
     kwargs = {"lr": lr, "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
               "eps": config.adam_epsilon}
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        # one fused kernel per step on CUDA: fewer launches and no foreach temporaries
+        return torch.optim.AdamW(params, **kwargs, fused=all(p.is_cuda for p in params) or None)
     try:
         import bitsandbytes as bnb
     except ImportError as e:

@@ -33,6 +33,7 @@ from finetune.train import dry_run, loop, ranks
 from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
+from finetune.train.speedups import apply_speedups
 
 
 def main(command: Command) -> int:
@@ -129,6 +130,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
         model = loading.load_model(run, accelerator.device)
     if config.packing:
         loading.check_packing_support(model)
+    model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print)
 
     collator = Collator(tokenizer)
     train_loader = DataLoader(data.train, batch_size=run.batch.micro_batch_size, shuffle=True, collate_fn=collator)

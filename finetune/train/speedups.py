@@ -1,0 +1,101 @@
+"""Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, regional
+compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
+architecture Liger does not cover, a package not installed) says so in one line and the run goes on
+without it; numerically each is the plain path (tests/test_speedups.py on CPU).
+
+The defaults ("auto", unset flags) are on where they are expected to help (CUDA) but have not been
+measured on a GPU yet; bench/gpu/throughput.py is the kit that will measure them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from finetune.config.options import TrainConfig
+
+
+@dataclass(frozen=True)
+class Speedups:
+    """What a run turns on; `notes` says why a requested switch is off."""
+
+    liger: bool
+    compile: bool
+    attention: str  # "sdpa", "flex" or "flash"
+    notes: tuple[str, ...] = ()
+
+
+def choose_speedups(config: TrainConfig, cuda: bool, model_type: str) -> Speedups:
+    """Resolve unset/auto switches for this device and model, and drop the ones that cannot apply."""
+    notes = []
+    liger = config.liger if config.liger is not None else cuda and liger_installed()
+    why_not = liger_unavailable(cuda, model_type) if liger else None
+    if why_not:
+        notes, liger = [f"--liger: {why_not}; running without"], False
+    compile_ = config.compile if config.compile is not None else cuda and config.method != "qlora"
+    attention = config.attention
+    if attention == "auto":
+        attention = "flex" if cuda and config.packing else "sdpa"
+    if attention == "flash" and importlib.util.find_spec("flash_attn") is None:
+        notes, attention = [*notes, "--attention flash: flash-attn is not installed; using sdpa"], "sdpa"
+    return Speedups(liger=liger, compile=compile_, attention=attention, notes=tuple(notes))
+
+
+def liger_unavailable(cuda: bool, model_type: str) -> str | None:
+    """Why Liger cannot run here, or None."""
+    if not cuda:
+        return "Liger's Triton kernels need a CUDA GPU"
+    if not liger_installed():
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    if liger_function(model_type) is None:
+        return f"Liger does not support model type {model_type!r}"
+    return None
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def liger_function(model_type: str) -> Callable | None:
+    """Liger's `apply_liger_kernel_to_<arch>` for a transformers model type, if it has one."""
+    if not liger_installed():
+        return None
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+
+
+# transformers' names of the attention kernels
+ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2"}
+
+
+def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None]) -> torch.nn.Module:
+    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in place."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    chosen = choose_speedups(config, cuda, base.config.model_type)
+    for note in chosen.notes:
+        say(note)
+    if chosen.liger:  # RMSNorm, RoPE, SwiGLU modules of this instance; the CausalLM forward's fused loss
+        liger_function(base.config.model_type)(model=base)
+    if chosen.attention != "sdpa":
+        base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
+    if chosen.compile:
+        compile_blocks(model)
+    say(f"speed switches: liger {'on' if chosen.liger else 'off'}, compile {'on' if chosen.compile else 'off'}, "
+        f"attention {chosen.attention}")
+    return model
+
+
+def compile_blocks(model: torch.nn.Module, **compile_kwargs) -> int:
+    """torch.compile every repeated block (the decoder layers) in place: regional compilation, one
+    compiled graph reused by all layers; in place, so parameter names, FSDP2 hooks and checkpoints
+    stay those of the eager model. `compile_kwargs` go to torch.compile. Returns how many blocks."""
+    from accelerate.utils.other import is_repeated_blocks
+
+    blocks = [block for module in model.modules() if is_repeated_blocks(module) for block in module]
+    for block in blocks:
+        block.compile(**compile_kwargs)
+    return len(blocks)

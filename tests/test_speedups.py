@@ -1,0 +1,81 @@
+"""Speed switches on CPU: which ones a run turns on where, one line for each that cannot apply, and
+each switched path numerically equal to the plain one on a tiny Llama."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from finetune.config.options import TrainConfig, parse_config
+from finetune.train.speedups import apply_speedups, choose_speedups, compile_blocks
+
+
+def test_flags_parse_with_auto_defaults():
+    assert (TrainConfig().liger, TrainConfig().compile, TrainConfig().attention) == (None, None, "auto")
+    config = parse_config(["--liger", "--no-compile", "--attention", "flex"])
+    assert (config.liger, config.compile, config.attention) == (True, False, "flex")
+
+
+def test_auto_is_off_on_cpu_and_on_for_cuda():
+    cpu = choose_speedups(TrainConfig(packing=True), cuda=False, model_type="llama")
+    assert (cpu.liger, cpu.compile, cpu.attention, cpu.notes) == (False, False, "sdpa", ())
+    cuda = choose_speedups(TrainConfig(packing=True, method="lora"), cuda=True, model_type="llama")
+    assert cuda.compile and cuda.attention == "flex"
+    assert not choose_speedups(TrainConfig(method="qlora"), cuda=True, model_type="llama").compile
+    assert choose_speedups(TrainConfig(), cuda=True, model_type="llama").attention == "sdpa"  # no packing
+
+
+def test_a_switch_that_cannot_apply_says_so_in_one_line_and_the_run_goes_on():
+    said = []
+    model = apply_speedups(tiny_model(), TrainConfig(liger=True), cuda=False, say=said.append)
+    assert said[0] == "--liger: Liger's Triton kernels need a CUDA GPU; running without"
+    assert said[-1] == "speed switches: liger off, compile off, attention sdpa"
+    assert model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.isfinite()
+    chosen = choose_speedups(TrainConfig(attention="flash"), cuda=True, model_type="llama")
+    assert chosen.attention == "sdpa" and chosen.notes == ("--attention flash: flash-attn is not installed; using sdpa",)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_compiled_blocks_match_eager_loss_and_gradients_and_keep_parameter_names():
+    eager = tiny_model()
+    compiled = copy.deepcopy(eager)
+    # aot_eager: Dynamo's capture and AOTAutograd's joint graph, the parts regional compilation adds
+    # around the kernels, in seconds on CPU (Inductor's C++ codegen takes minutes here)
+    assert compile_blocks(compiled, backend="aot_eager") == 2
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    (loss, grads), (loss_c, grads_c) = loss_and_grads(eager, ids), loss_and_grads(compiled, ids)
+    assert loss_c == pytest.approx(loss.item(), rel=1e-6)
+    assert all(torch.allclose(g, h, atol=1e-6) for g, h in zip(grads, grads_c))
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+@pytest.mark.slow
+def test_inductor_compiled_blocks_match_eager():
+    eager = tiny_model()
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    (loss, grads), (loss_c, grads_c) = loss_and_grads(eager, ids), loss_and_grads(compiled, ids)
+    assert loss_c == pytest.approx(loss.item(), rel=1e-5)
+    assert all(torch.allclose(g, h, atol=1e-5) for g, h in zip(grads, grads_c))
+
+
+@pytest.mark.slow  # transformers compiles flex_attention: about a minute on these CPUs
+def test_flex_attention_on_packed_rows_matches_each_row_alone():
+    plain = tiny_model()
+    flex = copy.deepcopy(plain)
+    flex.set_attn_implementation("flex_attention")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 64, (1, 7), generator=g), torch.randint(0, 64, (1, 9), generator=g)
+    positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    with torch.no_grad():
+        packed = flex(input_ids=torch.cat([a, b], 1), position_ids=positions, use_cache=False).logits
+        alone = torch.cat([plain(input_ids=a).logits, plain(input_ids=b).logits], 1)
+    assert torch.allclose(packed, alone, atol=1e-5)
