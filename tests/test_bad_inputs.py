@@ -365,6 +365,17 @@ CASES = [
          marks=SLOW),
     case("fresh-run-into-output-dir-with-checkpoints", f"{SHORT} --output-dir run", "already holds checkpoints",
          "--resume auto", marks=SLOW),
+    # ---------------------------------------------------------------- a newcomer's first mistakes (issue 19)
+    case("flag-from-another-trainer", "--learning-rate 1e-4", "unrecognized arguments: --learning-rate",
+         "did you mean --lr"),
+    case("flag-negative-lr", "--lr -1e-4", "--lr must be a positive number, got -0.0001"),
+    case("resume-missing-path", "--resume runs/demo/checkpoints/step-000090",
+         "--resume runs/demo/checkpoints/step-000090: no such checkpoint"),
+    case("output-dir-is-a-file", "--output-dir afile.txt", "--output-dir afile.txt is a file, not a folder",
+         files={"afile.txt": "notes"}),
+    case("output-dir-read-only", "--output-dir locked/run", "--output-dir locked/run: no permission to write in locked",
+         setup=lambda folder: (folder / "locked").mkdir(mode=0o555),
+         marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")),
 ]
 
 

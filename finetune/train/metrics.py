@@ -39,6 +39,8 @@ class MetricsRecorder:
         self.seconds = 0.0
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", disable=not self.active,
                         dynamic_ncols=True, file=sys.stdout)
+        if start_step and self.active:
+            keep_records_before_resume(self.path, start_step)
 
     def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float) -> None:
         self.tokens += tokens
@@ -67,6 +69,16 @@ class MetricsRecorder:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def keep_records_before_resume(path: Path, step: int) -> None:
+    """Drop what the interrupted run logged after the checkpoint it resumes from (those steps run
+    again), and its evaluation at that step (the resumed run evaluates there again), so a resumed
+    run's metrics.jsonl reads like an uninterrupted one's."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] < step or (r["step"] == step and "eval_loss" not in r)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -1,0 +1,59 @@
+"""A newcomer's first hour: Ctrl-C and resume, and a resumed run's metrics log."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.train.metrics import keep_records_before_resume, read_metrics
+
+# the default tiny model and builtin data, small enough for a step well under a second on an idle core
+QUICK = ["--micro-batch-size", "2", "--max-seq-len", "64", "--max-eval-examples", "0", "--num-samples", "0",
+         "--no-save-final", "--log-every", "1", "--save-every", "3", "--output-dir", "out"]
+
+
+def test_resume_drops_records_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logged = [{"step": 0, "eval_loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8},
+              {"step": 2, "eval_loss": 2.7}, {"step": 3, "loss": 2.6}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in logged))
+    keep_records_before_resume(path, 2)
+    assert read_metrics(path) == logged[:3]
+
+
+def newest_logged_step(output_dir: Path) -> int:
+    path = output_dir / "metrics.jsonl"
+    records = read_metrics(path) if path.is_file() else []
+    return max((r["step"] for r in records if "loss" in r), default=0)
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_one_line_with_the_resume_hint_and_resume_logs_each_step_once(tmp_path):
+    command = [sys.executable, "-m", "finetune", *QUICK]
+    process = subprocess.Popen([*command, "--max-steps", "1000"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 400
+    while newest_logged_step(tmp_path / "out") < 4 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and output.count("interrupted (Ctrl-C)") == 1, output[-3000:]
+    saved = re.search(r"Continue from (\S+) by running the same command with --resume auto", output)
+    assert saved, output[-3000:]
+
+    interrupted_at = newest_logged_step(tmp_path / "out")
+    resumed_from = int(Path(saved.group(1)).name.split("-")[1])
+    assert resumed_from < interrupted_at  # steps after the checkpoint were logged and will run again
+    finish = interrupted_at + 1
+    subprocess.run([*command, "--max-steps", str(finish), "--resume", "auto"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=600)
+    steps = [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, finish + 1))
