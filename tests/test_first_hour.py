@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -57,3 +58,14 @@ def test_ctrl_c_says_one_line_with_the_resume_hint_and_resume_logs_each_step_onc
                    capture_output=True, timeout=600)
     steps = [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, finish + 1))
+
+
+def test_plan_names_the_command_that_writes_the_files_its_launch_command_reads(tmp_path):
+    plan = [sys.executable, "-m", "finetune", "plan", "--model", "llama-7b", "--gpus", "2xA100-40GB"]
+    first = subprocess.run(plan, cwd=tmp_path, capture_output=True, text=True, check=True)
+    config_file = re.search(r"launch: accelerate launch --config_file (\S+)", first.stdout).group(1)
+    assert not (tmp_path / config_file).exists()
+    write = re.search(r"write its files first with: finetune plan (.+)", first.stderr).group(1)
+    subprocess.run([sys.executable, "-m", "finetune", "plan", *shlex.split(write)], cwd=tmp_path, check=True,
+                   capture_output=True)
+    assert (tmp_path / config_file).is_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     request = build_request(args)
     if isinstance(request, list):
-        return _what_fits(request, args)
+        return _what_fits(request, args, argv)
     plans, recommended = plan(request)
     config_dir = args.write_config or DEFAULT_CONFIG_DIR
     print(json.dumps(report.to_json(request, plans, recommended, config_dir), indent=2) if args.json
@@ -123,10 +124,18 @@ def main(argv: list[str]) -> int:
                 note(f"wrote {path}")
     except OSError as e:
         raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
+    if recommended is not None and not args.write_config:
+        note(files_hint(argv, config_dir))
     if args.simulate:
         chosen = plans[recommended] if recommended is not None else plans[0]
         note(simulation_text(chosen))
     return 0
+
+
+def files_hint(argv: list[str], config_dir: str) -> str:
+    """The launch command reads files this run of `plan` did not write; the command that writes them."""
+    command = shlex.join(["finetune", "plan", *argv, "--write-config", config_dir])
+    return f"The launch command reads {config_dir}/; write its files first with: {command}"
 
 
 def note(text: str) -> None:
@@ -147,7 +156,7 @@ def simulation_text(chosen) -> str:
         return simulate.compare_text(run, chosen.workload)
 
 
-def _what_fits(requests: list[Request], args: argparse.Namespace) -> int:
+def _what_fits(requests: list[Request], args: argparse.Namespace, argv: list[str]) -> int:
     """No model named: the best plan of every catalog model on these GPUs. --write-config writes one
     folder per model that fits, --png one chart with each model's recommended plan."""
     if args.simulate:
@@ -157,6 +166,8 @@ def _what_fits(requests: list[Request], args: argparse.Namespace) -> int:
           if args.json else report.what_fits_table(results))
     if args.png:
         note(f"wrote {report.draw_what_fits_png(results, args.png)}")
+    if not args.write_config and any(recommended is not None for _, _, recommended in results):
+        note(files_hint(argv, DEFAULT_CONFIG_DIR))
     if args.write_config:
         for request, plans, recommended in results:
             if recommended is not None:
