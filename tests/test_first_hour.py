@@ -69,3 +69,12 @@ def test_plan_names_the_command_that_writes_the_files_its_launch_command_reads(t
     subprocess.run([sys.executable, "-m", "finetune", "plan", *shlex.split(write)], cwd=tmp_path, check=True,
                    capture_output=True)
     assert (tmp_path / config_file).is_file()
+
+
+def test_plan_splits_more_gpus_than_a_host_holds_into_nodes_and_says_so():
+    plan = [sys.executable, "-m", "finetune", "plan", "--model", "llama-7b", "--gpus", "1000xA100-40GB", "--json"]
+    done = subprocess.run(plan, capture_output=True, text=True, check=True)
+    hardware = json.loads(done.stdout)["hardware"]
+    assert "as 125 nodes × 8 GPUs" in done.stderr
+    assert (hardware["nodes"], hardware["gpus_per_node"]) == (125, 8)
+    assert hardware["host_memory_gib_per_node"] == 1152  # AWS p4d.24xlarge, not 1000 GPUs' worth

@@ -76,6 +76,16 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
                         format=meta["format"], cache_entry=entry, reused=reused)
 
 
+def check_batch_fits(data: PreparedData, config: TrainConfig) -> None:
+    """Refuse a micro-batch (or an update) of more examples than training has: it would silently
+    train on fewer than it says."""
+    rows = len(data.train)
+    for flag, size in (("micro-batch-size", config.micro_batch_size), ("global-batch-size", config.global_batch_size)):
+        if size is not None and size > rows:
+            raise FinetuneError(f"--{flag} {size:,} is more than the {rows:,} training examples of {config.dataset}; "
+                                f"use --{flag} {rows} or less.")
+
+
 def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:
     train_rows, eval_rows = split_eval(splits, config.eval_split, config.seed, config.dataset)
     fmt = detect_format(train_rows.column_names, config.dataset) if config.format == "auto" else config.format

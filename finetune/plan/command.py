@@ -79,6 +79,7 @@ def build_request(args: argparse.Namespace) -> Request | list[Request]:
     if "gpu" not in fields_from_query:
         raise FinetuneError("Say which GPUs: --gpus 2xA100-40GB, or a query such as \"llama-7b on 8xH100\".")
     fields_from_query["gpu"] = gpu_catalog.get(fields_from_query["gpu"])
+    split_into_nodes(fields_from_query)
 
     def request_for(name: str) -> Request:
         spec = resolve_model(name)
@@ -89,6 +90,19 @@ def build_request(args: argparse.Namespace) -> Request | list[Request]:
     if "model" in fields_from_query:
         return request_for(fields_from_query.pop("model"))
     return [request_for(name) for name in model_catalog.MODELS if name != "tiny"]
+
+
+def split_into_nodes(request_fields: dict) -> None:
+    """More GPUs than one host holds, with no --nodes: plan them as nodes of the GPU's usual host
+    (and say so), not as one impossible node with all their host RAM."""
+    gpu, count = request_fields["gpu"], request_fields["gpus_per_node"]
+    usual = gpu_catalog.usual_gpus_per_node(gpu.name)
+    if request_fields.get("nodes") is not None or count <= usual:
+        return
+    per_node = max(n for n in range(1, usual + 1) if count % n == 0)  # whole nodes, as full as a host allows
+    request_fields.update(gpus_per_node=per_node, nodes=count // per_node)
+    note(f"planning {count}× {gpu.name} as {count // per_node} nodes × {per_node} GPUs ({gpu.name} hosts usually hold "
+         f"{usual}): --gpus {per_node}x{gpu.name} --nodes {count // per_node}; --nodes sets another split")
 
 
 def host_memory_gib(text: str) -> float:
