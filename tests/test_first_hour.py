@@ -78,3 +78,59 @@ def test_plan_splits_more_gpus_than_a_host_holds_into_nodes_and_says_so():
     assert "as 125 nodes × 8 GPUs" in done.stderr
     assert (hardware["nodes"], hardware["gpus_per_node"]) == (125, 8)
     assert hardware["host_memory_gib_per_node"] == 1152  # AWS p4d.24xlarge, not 1000 GPUs' worth
+
+
+def answers_of_export(folder: Path, prompts: list, max_new_tokens: int) -> list[str]:
+    """Greedy answers of an exported model, reloaded and asked as README's *Reload an export* shows:
+    text prompts through `tokenizer(prompt)`, chats (lists of messages) through the chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    answers = []
+    for prompt in prompts:
+        inputs = (tokenizer(prompt, return_tensors="pt") if isinstance(prompt, str) else
+                  tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True))
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        answers.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
+def train_and_export(folder: Path, *flags: str) -> list[dict]:
+    """The run's printed samples (summary.json) after training with `flags`, exported to `folder/hf`."""
+    finetune = [sys.executable, "-m", "finetune"]
+    subprocess.run([*finetune, *flags, "--output-dir", "run"], cwd=folder, check=True, capture_output=True, timeout=1200)
+    subprocess.run([*finetune, "export", "run", "--out", "hf"], cwd=folder, check=True, capture_output=True, timeout=600)
+    return json.loads((folder / "run" / "summary.json").read_text())["samples"]
+
+
+def run_max_new_tokens(samples: list[dict], folder: Path) -> int:
+    """What the run's evaluation allowed: the longest expected answer's tokens + 2 (loop.evaluate)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return max(len(tokenizer(s["expected"], add_special_tokens=False)["input_ids"]) for s in samples) + 2
+
+
+@pytest.mark.slow
+def test_the_default_runs_export_answers_as_the_run_did(tmp_path):
+    samples = train_and_export(tmp_path, "--max-steps", "6", "--micro-batch-size", "4", "--max-eval-examples", "4",
+                               "--num-samples", "4")
+    assert len(samples) == 4
+    answers = answers_of_export(tmp_path / "hf", [s["prompt"] for s in samples], run_max_new_tokens(samples, tmp_path / "hf"))
+    assert answers == [s["generated"] for s in samples]
+
+
+@pytest.mark.slow
+def test_smollm2_export_answers_as_the_run_did(tmp_path):
+    pytest.importorskip("gguf")
+    data = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
+    samples = train_and_export(tmp_path, "--model", "smollm2-135m", "--method", "full", "--lr", "1e-5",
+                               "--dataset", str(data), "--eval-split", "test", "--max-eval-examples", "3",
+                               "--eval-generate", "3", "--num-samples", "3", "--micro-batch-size", "2",
+                               "--max-seq-len", "128", "--max-steps", "1")
+    rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()[:3]]
+    assert [s["expected"] for s in samples] == [row["messages"][-1]["content"] for row in rows]
+    chats = [row["messages"][:-1] for row in rows]
+    answers = answers_of_export(tmp_path / "hf", chats, run_max_new_tokens(samples, tmp_path / "hf"))
+    assert answers == [s["generated"] for s in samples]

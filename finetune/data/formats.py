@@ -144,6 +144,16 @@ def _bos(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
+def encode_as_training(tokenizer) -> None:
+    """Make `tokenizer(text)` encode as training did: BOS first (see `_bos`), no EOS. The tokenizer a
+    run saves, and an export copies, then turns a prompt into the ids the run generated from; chat
+    prompts go through `apply_chat_template`, whose template holds its own special tokens."""
+    if tokenizer.bos_token_id is None or not hasattr(tokenizer, "update_post_processor"):
+        return
+    tokenizer.add_bos_token, tokenizer.add_eos_token = True, False
+    tokenizer.update_post_processor()
+
+
 def _render(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
     """Each conversation through the chat template, as text; tokenizing that text is what
     `apply_chat_template(tokenize=True)` does."""

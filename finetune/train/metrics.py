@@ -48,6 +48,8 @@ class MetricsRecorder:
         tokens_per_second = tokens / seconds if seconds else 0.0
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+        if step >= self.max_steps:
+            self.bar.close()  # training is over: its clock stops before the final evaluation's bars
         if step % self.log_every and step != self.max_steps:
             return
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
@@ -58,7 +60,8 @@ class MetricsRecorder:
         record = {"step": step, **{k: v for k, v in result.items() if k != "samples"}}
         self._write(record)
         if self.active:
-            self.bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+            tqdm.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()),
+                       file=sys.stdout)
 
     def _write(self, record: dict) -> None:
         if not self.active:
