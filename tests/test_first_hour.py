@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from finetune.train.metrics import keep_records_before_resume, read_metrics
 
@@ -134,3 +136,39 @@ def test_smollm2_export_answers_as_the_run_did(tmp_path):
     chats = [row["messages"][:-1] for row in rows]
     answers = answers_of_export(tmp_path / "hf", chats, run_max_new_tokens(samples, tmp_path / "hf"))
     assert answers == [s["generated"] for s in samples]
+
+
+def readme_quick_start() -> list[str]:
+    """The command lines of README's quick start block: step 1 first, then step 2's."""
+    section = (REPO / "README.md").read_text().split("<!-- section:quickstart -->")[1]
+    block = section.split("```bash\n")[1].split("```")[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_ci_runs_exactly_readmes_test_commands():
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert commands[:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."']
+    assert commands[2:] == readme_quick_start()[1:]
+
+
+@pytest.mark.slow
+def test_readmes_first_command_runs_in_a_fresh_clone(tmp_path):
+    """README's step 1 as written, in a clone of this commit and a new venv (reusing the packages
+    installed here), shortened to two updates so it costs seconds, not the demo's minutes."""
+    from test_gpu_kit import make_venv_seeing_these_packages
+
+    clone, venv = tmp_path / "clone", tmp_path / "venv"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    make_venv_seeing_these_packages(venv, pip=True)
+    assert (venv / "bin" / "pip").is_file()  # else `pip` on PATH would install into this interpreter
+    short = " --max-steps 2 --micro-batch-size 2 --max-eval-examples 2 --num-samples 1"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", readme_quick_start()[0] + short], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((clone / "runs" / "demo" / "summary.json").read_text())
+    assert summary["steps"] == 2 and "Traceback" not in done.stdout + done.stderr
+    imported = subprocess.run([venv / "bin" / "python", "-c", "import finetune; print(finetune.__file__)"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert imported == str(clone / "finetune" / "__init__.py")  # the clone's code ran, not this checkout's
