@@ -47,8 +47,10 @@ def train(argv: list[str]) -> int:
     if not command.config.verbose:
         quiet_libraries()
     try:
-        from finetune.train import run
+        from finetune.train import dry_run, run
 
+        if not command.dry_run:
+            dry_run.check_cpu_run(command.config)  # before the Hub is asked for weights
         return run.main(command)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # every rank gets the Ctrl-C; one message is enough

@@ -381,6 +381,8 @@ CASES = [
          files={"data.jsonl": ROWS}, marks=SLOW),
     case("max-seq-len-beyond-model", "--max-seq-len 1000000", "--max-seq-len 1000000 is beyond tiny's maximum of 512",
          "--max-seq-len 512", marks=SLOW),
+    case("seven-billion-on-a-cpu", "--model llama-7b --output-dir out", "This machine has no GPU: llama-7b",
+         "per optimizer step", "--allow-cpu", env={"CUDA_VISIBLE_DEVICES": ""}, marks=SLOW),
 ]
 
 

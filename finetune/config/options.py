@@ -88,6 +88,7 @@ class TrainConfig:
         "for full, bf16-true for LoRA/QLoRA (fp16 on GPUs without bf16; the launch config's mixed_precision family "
         "if it sets one), fp32 on CPU.", PRECISION_CHOICES)
     gpu: str | None = _field(None, "GPU model to plan this run for (--dry-run, fit check), e.g. A100-40GB; unset: the GPU this process sees.")
+    allow_cpu: bool = _field(False, "Train a model of more than 1B parameters on a machine without a GPU (without it, such a run stops first and says how long a step would take).")
     fit_check: bool = _field(True, "On a GPU, stop before loading weights when the run's planned memory exceeds the free GPU memory or host RAM.")
     # output
     output_dir: str = _field("output", "Where metrics, plots, checkpoints and the final model go.")
