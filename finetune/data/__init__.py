@@ -19,7 +19,8 @@ from finetune.data import cache
 from finetune.data.builtin import BUILTIN_DIR
 from finetune.data.collate import Collator
 from finetune.data.formats import (
-    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, expected_answer, has_target, id_columns, prompt_ids,
+    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, encode_as_training, expected_answer, has_target,
+    id_columns, prompt_ids,
 )
 from finetune.data.packing import pack
 from finetune.data.sources import load_splits, split_eval
@@ -76,9 +77,11 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
                         format=meta["format"], cache_entry=entry, reused=reused)
 
 
-def check_batch_fits(data: PreparedData, config: TrainConfig) -> None:
-    """Refuse a micro-batch (or an update) of more examples than training has: it would silently
+def fit_run_to_data(data: PreparedData, config: TrainConfig, tokenizer) -> None:
+    """Make the tokenizer the run saves encode prompts as this data was encoded (`encode_as_training`),
+    and refuse a micro-batch (or an update) of more examples than training has: it would silently
     train on fewer than it says."""
+    encode_as_training(tokenizer, data.format)
     rows = len(data.train)
     for flag, size in (("micro-batch-size", config.micro_batch_size), ("global-batch-size", config.global_batch_size)):
         if size is not None and size > rows:

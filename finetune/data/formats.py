@@ -144,13 +144,15 @@ def _bos(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-def encode_as_training(tokenizer) -> None:
-    """Make `tokenizer(text)` encode as training did: BOS first (see `_bos`), no EOS. The tokenizer a
-    run saves, and an export copies, then turns a prompt into the ids the run generated from; chat
-    prompts go through `apply_chat_template`, whose template holds its own special tokens."""
-    if tokenizer.bos_token_id is None or not hasattr(tokenizer, "update_post_processor"):
+def encode_as_training(tokenizer, fmt: str) -> None:
+    """Make `tokenizer(text)` encode as training on `fmt` data did, so the tokenizer a run saves (and an
+    export copies) turns a prompt into the ids the run generated from: alpaca and text start with BOS
+    (see `_bos`) and end without EOS; chats were rendered by the chat template, which holds its own
+    special tokens, so plain text gets none added (`apply_chat_template` adds none either)."""
+    if not hasattr(tokenizer, "update_post_processor"):
         return
-    tokenizer.add_bos_token, tokenizer.add_eos_token = True, False
+    tokenizer.add_bos_token = fmt not in CONVERSATION_KEYS and tokenizer.bos_token_id is not None
+    tokenizer.add_eos_token = False
     tokenizer.update_post_processor()
 
 

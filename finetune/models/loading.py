@@ -26,7 +26,6 @@ from finetune.models import catalog
 from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
 from finetune.config.resolve import ResolvedRun
-from finetune.data.formats import encode_as_training
 
 
 def materialize(config: TrainConfig) -> str:
@@ -81,12 +80,10 @@ def write_random_init(hf_config, tokenizer: PreTrainedTokenizerBase, directory: 
 
 
 def load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    """The tokenizer saved beside the weights, encoding text as training does (so the run saves one that
-    reproduces its prompts); pad falls back to EOS (Llama ships none)."""
+    """The tokenizer saved beside the weights; pad falls back to EOS (Llama ships none)."""
     tokenizer = _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    encode_as_training(tokenizer)
     return tokenizer
 
 

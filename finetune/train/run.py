@@ -22,7 +22,7 @@ from finetune.models import loading
 from finetune.train import dry_run
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.config.options import EVERY_OPTION, Command, TrainConfig, planned_epochs, save_yaml
-from finetune.data import Collator, check_batch_fits, prepare_data
+from finetune.data import Collator, fit_run_to_data, prepare_data
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
@@ -78,7 +78,7 @@ def train(run: ResolvedRun, device: Device) -> dict:
     with accelerator.local_main_process_first():
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
-    check_batch_fits(data, config)
+    fit_run_to_data(data, config, tokenizer)
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
     model = loading.load_model(run, accelerator.device)
     if config.packing:
