@@ -377,7 +377,7 @@ CASES = [
          setup=lambda folder: (folder / "locked").mkdir(mode=0o555),
          marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")),
     case("micro-batch-larger-than-data", f"{RUN} --dataset data.jsonl --micro-batch-size 100000",
-         "--micro-batch-size 100,000 is more than the 7 training examples of data.jsonl", "--micro-batch-size 7",
+         "--micro-batch-size 100,000 is more than the 7 training examples", "--micro-batch-size 7",
          files={"data.jsonl": ROWS}, marks=SLOW),
     case("max-seq-len-beyond-model", "--max-seq-len 1000000", "--max-seq-len 1000000 is beyond tiny's maximum of 512",
          "--max-seq-len 512", marks=SLOW),

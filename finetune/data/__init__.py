@@ -77,16 +77,15 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
                         format=meta["format"], cache_entry=entry, reused=reused)
 
 
-def fit_run_to_data(data: PreparedData, config: TrainConfig, tokenizer) -> None:
+def fit_run_to_data(data: PreparedData, tokenizer, batch_sizes: dict[str, int | None]) -> None:
     """Make the tokenizer the run saves encode prompts as this data was encoded (`encode_as_training`),
-    and refuse a micro-batch (or an update) of more examples than training has: it would silently
-    train on fewer than it says."""
+    and refuse a batch size flag (name → value, None when unset) of more examples than training has:
+    it would silently train on fewer than it says."""
     encode_as_training(tokenizer, data.format)
     rows = len(data.train)
-    for flag, size in (("micro-batch-size", config.micro_batch_size), ("global-batch-size", config.global_batch_size)):
+    for flag, size in batch_sizes.items():
         if size is not None and size > rows:
-            raise FinetuneError(f"--{flag} {size:,} is more than the {rows:,} training examples of {config.dataset}; "
-                                f"use --{flag} {rows} or less.")
+            raise FinetuneError(f"--{flag} {size:,} is more than the {rows:,} training examples; use --{flag} {rows} or less.")
 
 
 def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:

@@ -78,7 +78,8 @@ def train(run: ResolvedRun, device: Device) -> dict:
     with accelerator.local_main_process_first():
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
-    fit_run_to_data(data, config, tokenizer)
+    fit_run_to_data(data, tokenizer, {"micro-batch-size": config.micro_batch_size,
+                                      "global-batch-size": config.global_batch_size})
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
     model = loading.load_model(run, accelerator.device)
     if config.packing:
