@@ -61,6 +61,25 @@ def train(argv: list[str]) -> int:
     command = parse_command(argv)
     if not command.config.verbose:
         quiet_libraries()
-    from finetune.train import run
+    try:
+        from finetune.train import dry_run, run
 
-    return run.main(command)
+        if not command.dry_run:
+            dry_run.check_cpu_run(command.config)  # before the Hub is asked for weights
+        return run.main(command)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":  # every rank gets the Ctrl-C; one message is enough
+            print(interrupted_message(command.config.output_dir), file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+
+def interrupted_message(output_dir: str) -> str:
+    """One line for Ctrl-C instead of the traceback: where the run can continue from, if anywhere."""
+    from finetune.checkpoint.layout import checkpoints_dir, complete_checkpoints
+
+    saved = complete_checkpoints(checkpoints_dir(output_dir))
+    if saved:
+        return (f"finetune: interrupted (Ctrl-C). Continue from {saved[-1]} by running the same command "
+                "with --resume auto.")
+    return ("finetune: interrupted (Ctrl-C) before any checkpoint was saved; rerun to start again "
+            "(--save-every N saves checkpoints that --resume auto continues from).")

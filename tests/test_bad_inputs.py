@@ -392,6 +392,25 @@ CASES = [
     case("two-ranks-hub-model-offline", "--model nobody-here/no-such-model --max-steps 1 --output-dir out",
          "Could not load 'nobody-here/no-such-model'", "hf download nobody-here/no-such-model --local-dir DIR",
          files={"ddp2.yaml": DDP2_YAML}, env={"HF_HUB_OFFLINE": "1"}, launch="ddp2.yaml", marks=SLOW),
+
+    # ---------------------------------------------------------------- a newcomer's first mistakes (issue 19)
+    case("flag-from-another-trainer", "--learning-rate 1e-4", "unrecognized arguments: --learning-rate",
+         "did you mean --lr"),
+    case("flag-negative-lr", "--lr -1e-4", "--lr must be a positive number, got -0.0001"),
+    case("resume-missing-path", "--resume runs/demo/checkpoints/step-000090",
+         "--resume runs/demo/checkpoints/step-000090: no such checkpoint"),
+    case("output-dir-is-a-file", "--output-dir afile.txt", "--output-dir afile.txt is a file, not a folder",
+         files={"afile.txt": "notes"}),
+    case("output-dir-read-only", "--output-dir locked/run", "--output-dir locked/run: no permission to write in locked",
+         setup=lambda folder: (folder / "locked").mkdir(mode=0o555),
+         marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")),
+    case("micro-batch-larger-than-data", f"{RUN} --dataset data.jsonl --micro-batch-size 100000",
+         "--micro-batch-size 100,000 is more than the 7 training examples", "--micro-batch-size 7",
+         files={"data.jsonl": ROWS}, marks=SLOW),
+    case("max-seq-len-beyond-model", "--max-seq-len 1000000", "--max-seq-len 1000000 is beyond tiny's maximum of 512",
+         "--max-seq-len 512", marks=SLOW),
+    case("seven-billion-on-a-cpu", "--model llama-7b --output-dir out", "This machine has no GPU: llama-7b",
+         "per optimizer step", "--allow-cpu", env={"CUDA_VISIBLE_DEVICES": ""}, marks=SLOW),
 ]
 
 

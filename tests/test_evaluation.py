@@ -109,21 +109,3 @@ def test_generation_defaults_on_for_the_builtin_dataset_only():
 def test_contradictory_eval_flags_are_refused(flags, problem):
     with pytest.raises(ConfigError, match=problem):
         parse_config(flags)
-
-
-def test_batched_greedy_generation_left_pads_to_the_answers_of_single_prompts():
-    """Prompts of different lengths in one batch (left-padded by the tokenizer) generate what each
-    generates alone: padding on the wrong side, or a wrong attention mask, changes the continuation."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from finetune.data import BUILTIN_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)).eval()
-    prompts = [tokenizer("2+3=")["input_ids"], tokenizer("a much longer prompt: 12+30=")["input_ids"]]
-    batched = loop.greedy_completions(model, tokenizer, prompts, max_new_tokens=6)
-    alone = [loop.greedy_completions(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
-    assert batched == alone and all(batched)

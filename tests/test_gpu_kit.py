@@ -106,12 +106,25 @@ def test_rows_run_the_trainer_with_the_planned_precision(tmp_path):
     assert all(len(line) > 512 for line in data.read_text().splitlines())
 
 
+def make_venv_seeing_these_packages(venv: Path, pip: bool = False) -> None:
+    """A venv that sees the packages this interpreter sees, also when this interpreter is itself a venv's
+    (--system-site-packages alone would show only the base interpreter's): a .pth file adds them
+    after the new venv's own site-packages, so what gets installed there wins. `pip`: its own pip, so
+    `pip install` on PATH installs into it."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", *([] if pip else ["--without-pip"]), str(venv)],
+                   check=True)
+    own = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    seen = [path for path in sys.path if path.endswith("-packages")]  # addsitedir: their own .pth files count too
+    (Path(own) / "_outer_site_packages.pth").write_text("".join(f"import site; site.addsitedir({path!r})\n" for path in seen))
+
+
 @pytest.mark.slow
 def test_run_sh_installs_and_stops_before_cuda(tmp_path):
     """run.sh in a throwaway venv on this CPU machine: installs a wheel the venv lacks, keeps an
     installed one, installs the project without dependencies, then stops at the CUDA check (exit 3)."""
     venv, shipped, out = tmp_path / "venv", tmp_path / "wheels", tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    make_venv_seeing_these_packages(venv)
     shipped.mkdir()
     make_wheel(shipped, "gpukit_probe", "1.0", {"gpukit_probe/__init__.py": "VERSION = '1.0'\n"})
     make_wheel(shipped, "tqdm", "0.0.1", {"tqdm/__init__.py": ""})  # already installed: must be kept

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -87,6 +89,7 @@ class TrainConfig:
         "for full, bf16-true for LoRA/QLoRA (fp16 on GPUs without bf16; the launch config's mixed_precision family "
         "if it sets one), fp32 on CPU.", PRECISION_CHOICES)
     gpu: str | None = _field(None, "GPU model to plan this run for (--dry-run, fit check), e.g. A100-40GB; unset: the GPU this process sees.")
+    allow_cpu: bool = _field(False, "Train a model of more than 1B parameters on a machine without a GPU (without it, such a run stops first and says how long a step would take).")
     fit_check: bool = _field(True, "On a GPU, stop before loading weights when the run's planned memory exceeds the free GPU memory or host RAM.")
     # output
     output_dir: str = _field("output", "Where metrics, plots, checkpoints and the final model go.")
@@ -223,11 +226,33 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"--adam-epsilon must be > 0, got {config.adam_epsilon}")
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
-    model_problem = source.model_problem(config.model)
-    if model_problem:
-        problems.append(model_problem)
+    problems += filter(None, [source.model_problem(config.model), output_dir_problem(config.output_dir),
+                              resume_problem(config.resume)])
     if problems:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def output_dir_problem(output_dir: str) -> str | None:
+    """Why the run could not write to --output-dir (a file in the way, a folder it may not write to), or
+    None; checked here because the default model is written before anything else touches the folder."""
+    path = Path(output_dir)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+        return f"--output-dir {output_dir} {what}, not a folder; name a folder (it is created if missing)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--output-dir {output_dir}: no permission to write in {existing}; name a folder you can write to"
+    return None
+
+
+def resume_problem(resume: str | None) -> str | None:
+    """A --resume path that does not exist (auto and unset are always fine)."""
+    if resume in (None, "auto") or Path(resume).exists():
+        return None
+    return (f"--resume {resume}: no such checkpoint; name a checkpoint folder (OUTPUT/checkpoints/step-NNNNNN), "
+            "an output dir that holds checkpoints, or auto")
 
 
 # ---------------------------------------------------------------- YAML and command line
@@ -283,10 +308,66 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# what users coming from other trainers type, and the flag that means it here
+FLAG_SYNONYMS = {"--learning-rate": "--lr", "--batch-size": "--micro-batch-size", "--per-device-train-batch-size":
+                 "--micro-batch-size", "--num-train-epochs": "--epochs", "--num-epochs": "--epochs",
+                 "--model-name-or-path": "--model", "--data": "--dataset", "--data-path": "--dataset",
+                 "--out": "--output-dir", "--output": "--output-dir", "--seq-len": "--max-seq-len",
+                 "--max-length": "--max-seq-len", "--grad-accum": "--gradient-accumulation-steps",
+                 "--warmup": "--warmup-steps", "--steps": "--max-steps", "--lora-rank": "--lora-r"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (a ConfigError the CLI prints) instead of the whole usage,
+    and whose unknown flags get a "did you mean"."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        args, unknown = self.parse_known_args(glue_negative_values(args), namespace)
+        if unknown:
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{self.suggestion(unknown)}")
+        return args
+
+    def suggestion(self, unknown: list[str]) -> str:
+        flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        guesses = []
+        for word in unknown:
+            name = word.split("=")[0]
+            if name.startswith("-"):
+                guess = FLAG_SYNONYMS.get(name) or next(iter(difflib.get_close_matches(name, flags, n=1)), None)
+                if guess:
+                    guesses.append(f"{guess} instead of {name}")
+        return f"; did you mean {', '.join(guesses)}?" if guesses else " (see --help)"
+
+
+def glue_negative_values(argv: list[str] | None) -> list[str] | None:
+    """`--lr -1e-4` as `--lr=-1e-4`: argparse reads a value like -1e-4 as a flag ("expected one
+    argument"), so a negative number reaches validation, which says what the value must be."""
+    if argv is None:
+        return None
+    glued: list[str] = []
+    for word in argv:
+        if glued and glued[-1].startswith("--") and "=" not in glued[-1] and is_number(word) and word.startswith("-"):
+            glued[-1] = f"{glued[-1]}={word}"
+        else:
+            glued.append(word)
+    return glued
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     """An argparse parser with one flag per TrainConfig field; defaults are left as None so that
     only flags the user typed override the YAML file."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Fine-tune a language model with one Accelerate training loop. "
         "Subcommands: prepare, plan, rehearse, export, slurm, doctor, scaling (see `finetune SUBCOMMAND --help`).",

@@ -215,9 +215,17 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy)
-    return ResolvedRun(config=config, source=model.weights, spec=spec or model_source.architecture_of(config.model),
-                       batch=batch, peak_lr=peak_lr, precision=precision, strategy=strategy, offload=offload,
-                       launch=launch, deepspeed=deepspeed)
+    spec = spec or model_source.architecture_of(config.model)
+    check_seq_len(config.max_seq_len, spec)
+    return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
+                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed)
+
+
+def check_seq_len(max_seq_len: int, spec: ModelSpec | None) -> None:
+    """Positions past the model's maximum have no trained (or any) position embedding."""
+    if spec is not None and max_seq_len > spec.max_position_embeddings:
+        raise ConfigError(f"--max-seq-len {max_seq_len} is beyond {spec.name}'s maximum of {spec.max_position_embeddings:,} "
+                          f"positions (max_position_embeddings); use --max-seq-len {spec.max_position_embeddings} or less.")
 
 
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:

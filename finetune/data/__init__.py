@@ -19,7 +19,8 @@ from finetune.data import cache
 from finetune.data.builtin import BUILTIN_DIR
 from finetune.data.collate import Collator
 from finetune.data.formats import (
-    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, expected_answer, has_target, id_columns, prompt_ids,
+    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, encode_as_training, expected_answer, has_target,
+    id_columns, prompt_ids,
 )
 from finetune.data.packing import pack
 from finetune.data.sources import load_splits, source_digest, split_eval
@@ -74,6 +75,17 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
     tables, meta = cache.read(entry)
     return PreparedData(train=tables["train"], eval=tables["eval"], eval_prompts=meta["eval_prompts"],
                         format=meta["format"], cache_entry=entry, reused=reused)
+
+
+def fit_run_to_data(data: PreparedData, tokenizer, batch_sizes: dict[str, int | None]) -> None:
+    """Make the tokenizer the run saves encode prompts as this data was encoded (`encode_as_training`),
+    and refuse a batch size flag (name → value, None when unset) of more examples than training has:
+    it would silently train on fewer than it says."""
+    encode_as_training(tokenizer, data.format)
+    rows = len(data.train)
+    for flag, size in batch_sizes.items():
+        if size is not None and size > rows:
+            raise FinetuneError(f"--{flag} {size:,} is more than the {rows:,} training examples; use --{flag} {rows} or less.")
 
 
 def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:

@@ -19,8 +19,8 @@ class Collator:
     Why not transformers' DataCollatorForSeq2Seq for unpacked rows: it pads on the tokenizer's
     `padding_side`, which is "left" for many chat tokenizers, and without position ids a Llama-family
     model then gives every left-padded row shifted positions, so a row's loss would depend on its
-    batch mates. This collator pads right for training whatever the tokenizer says (generation pads
-    left on purpose, in loop.greedy_completions), and serves packed rows too.
+    batch mates. This collator pads right for training whatever the tokenizer says (generation does
+    not pad: loop.greedy_completions answers one prompt at a time), and serves packed rows too.
     """
 
     def __init__(self, tokenizer):

@@ -144,6 +144,18 @@ def _bos(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
+def encode_as_training(tokenizer, fmt: str) -> None:
+    """Make `tokenizer(text)` encode as training on `fmt` data did, so the tokenizer a run saves (and an
+    export copies) turns a prompt into the ids the run generated from: alpaca and text start with BOS
+    (see `_bos`) and end without EOS; chats were rendered by the chat template, which holds its own
+    special tokens, so plain text gets none added (`apply_chat_template` adds none either)."""
+    if not hasattr(tokenizer, "update_post_processor"):
+        return
+    tokenizer.add_bos_token = fmt not in CONVERSATION_KEYS and tokenizer.bos_token_id is not None
+    tokenizer.add_eos_token = False
+    tokenizer.update_post_processor()
+
+
 def _render(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
     """Each conversation through the chat template, as text; tokenizing that text is what
     `apply_chat_template(tokenize=True)` does."""

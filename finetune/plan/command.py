@@ -96,6 +96,7 @@ def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] 
     if "gpu" not in fields_from_query:
         raise FinetuneError("Say which GPUs: --gpus 2xA100-40GB, or a query such as \"llama-7b on 8xH100\".")
     fields_from_query["gpu"] = gpu_catalog.get(fields_from_query["gpu"])
+    split_into_nodes(fields_from_query)
 
     def request_for(name: str) -> Request:
         spec = resolve(name)
@@ -106,6 +107,19 @@ def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] 
     if "model" in fields_from_query:
         return request_for(fields_from_query.pop("model"))
     return [request_for(name) for name in model_catalog.MODELS if name != "tiny"]
+
+
+def split_into_nodes(request_fields: dict) -> None:
+    """More GPUs than one host holds, with no --nodes: plan them as nodes of the GPU's usual host
+    (and say so), not as one impossible node with all their host RAM."""
+    gpu, count = request_fields["gpu"], request_fields["gpus_per_node"]
+    usual = gpu_catalog.usual_gpus_per_node(gpu.name)
+    if request_fields.get("nodes") is not None or count <= usual:
+        return
+    per_node = max(n for n in range(1, usual + 1) if count % n == 0)  # whole nodes, as full as a host allows
+    request_fields.update(gpus_per_node=per_node, nodes=count // per_node)
+    note(f"planning {count}× {gpu.name} as {count // per_node} nodes × {per_node} GPUs ({gpu.name} hosts usually hold "
+         f"{usual}): --gpus {per_node}x{gpu.name} --nodes {count // per_node}; --nodes sets another split")
 
 
 def host_memory_gib(text: str) -> float:
@@ -144,11 +158,19 @@ def main(argv: list[str]) -> int:
         write_html(args, argv)
     except OSError as e:
         raise FinetuneError(f"Cannot write {e.filename or args.write_config or args.png}: {e.strerror or e}.") from e
+    if recommended is not None and not args.write_config:
+        note(files_hint(argv, config_dir))
     if args.simulate:
         if not args.verbose:
             quiet_libraries()
         note(simulation_text(plans, recommended))
     return 0
+
+
+def files_hint(argv: list[str], config_dir: str) -> str:
+    """The launch command reads files this run of `plan` did not write; the command that writes them."""
+    command = shlex.join(["finetune", "plan", *argv, "--write-config", config_dir])
+    return f"The launch command reads {config_dir}/; write its files first with: {command}"
 
 
 def note(text: str) -> None:
@@ -191,6 +213,8 @@ def _what_fits(requests: list[Request], args: argparse.Namespace, argv: list[str
     if args.png:
         note(f"wrote {report.draw_what_fits_png(results, args.png)}")
     write_html(args, argv)
+    if not args.write_config and any(recommended is not None for _, _, recommended in results):
+        note(files_hint(argv, DEFAULT_CONFIG_DIR))
     if args.write_config:
         for request, plans, recommended in results:
             if recommended is not None:

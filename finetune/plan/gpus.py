@@ -48,6 +48,13 @@ _CATALOG: tuple[GPUSpec, ...] = (
 )
 
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}
+# GPUs in one host of the instance HOST_RAM_SOURCES names (8 unless listed): a larger --gpus count is
+# several nodes
+GPUS_PER_NODE = {"RTX3090": 2, "RTX4090": 2, "RTX6000-Ada": 4, "T4": 4}
+
+
+def usual_gpus_per_node(name: str) -> int:
+    return GPUS_PER_NODE.get(name, 8)
 # Where `host_gib_per_gpu` comes from: host RAM ÷ GPUs of the usual 8-GPU (or largest) cloud instance,
 # or of a typical workstation for desktop cards. Real hosts vary; `finetune plan --host-memory` overrides.
 #   A100-40GB: AWS p4d.24xlarge, 1152 GiB / 8     A100-80GB: AWS p4de.24xlarge, 1152 GiB / 8

@@ -12,6 +12,7 @@ trainer's construction rather than against a second model of it.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,11 +26,12 @@ from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_
 from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, estimate, place_states
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload, from_run
-from finetune.config.options import command_line
+from finetune.config.options import TrainConfig, command_line
 from finetune.config.resolve import Device, ResolvedRun
+from finetune.models.source import architecture_of
+from finetune.plan.params import count_params
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
-
 
 
 def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
@@ -245,6 +247,40 @@ def catalog_name(device: Device) -> str:
     found = gpu_catalog.identify(device.name, memory_gib) if device.name else None
     alike = gpu_catalog.same_size(memory_gib)
     return found.name if found else alike[0] if alike else device.name or "GPU"
+
+
+# Sustained fp32 training FLOP/s of one CPU core, from a measured step (DESIGN.md): SmolLM2-135M, LoRA,
+# micro batch 8 × 128, ~5.5 s on 2 cores → 4 × 134.5 M params × 1,024 tokens / 5.5 s / 2 cores.
+CPU_FLOPS_PER_CORE = 5e10
+# Above this many parameters a CPU step takes minutes to hours: such a run starts only when asked.
+CPU_PARAMS_LIMIT = 1e9
+
+
+def check_cpu_run(config: TrainConfig) -> None:
+    """On a machine without a GPU, stop a model above CPU_PARAMS_LIMIT before anything loads (or asks
+    the Hub), saying what a step would cost here, unless --allow-cpu. Models the planner cannot read
+    are not checked."""
+    import torch
+
+    spec = architecture_of(config.model)
+    if config.allow_cpu or spec is None or torch.cuda.is_available():
+        return
+    params = count_params(spec).total
+    if params <= CPU_PARAMS_LIMIT:
+        return
+    tokens = config.micro_batch_size * config.max_seq_len * (config.gradient_accumulation_steps or 1)
+    cores = os.cpu_count() or 1
+    seconds = (6 if config.method == "full" else 4) * params * tokens / (CPU_FLOPS_PER_CORE * cores)
+    raise FinetuneError(
+        f"This machine has no GPU: {spec.name} ({params / 1e9:.2f}B parameters) would train on its {cores} CPU cores "
+        f"at about {_duration(seconds)} per optimizer step ({tokens:,} tokens; estimated at {CPU_FLOPS_PER_CORE:.0e} "
+        f"FLOP/s per core). Plan a GPU run with `finetune plan --model {config.model} --gpus 1xA100-80GB`, "
+        "or add --allow-cpu to train here anyway."
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _largest_terms(memory) -> list[str]:

@@ -142,21 +142,21 @@ def evaluation_loss(accelerator: Accelerator, model: torch.nn.Module, eval_loade
 
 @torch.no_grad()
 def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
-                       max_new_tokens: int, batch_size: int = 64,
-                       show_progress: bool = False) -> list[str]:
+                       max_new_tokens: int, show_progress: bool = False) -> list[str]:
     """Greedy generations for prompt token ids, decoded without the prompt and special tokens.
 
-    Every rank generates the same prompts: under FSDP/ZeRO-3 each forward is a collective, so all
-    ranks must run the same number of forwards.
+    One prompt at a time: unpadded, each answer is what `generate` gives that prompt alone, as a user
+    reloading the export asks it (a padded batch can flip a near-tied token), and the bar advances
+    per prompt. Every rank generates the same prompts: under FSDP/ZeRO-3 each forward is a
+    collective, so all ranks must run the same number of forwards.
     """
     device = next(model.parameters()).device
     completions = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="eval generate", **progress_bar(show_progress)):
-        chunk = prompts[start:start + batch_size]
-        batch = tokenizer.pad({"input_ids": chunk}, padding_side="left", return_tensors="pt").to(device)
-        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        completions += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    for ids in tqdm(prompts, desc="eval generate", unit="prompt", **progress_bar(show_progress)):
+        input_ids = torch.tensor([ids], device=device)
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        completions.append(tokenizer.decode(output[0, len(ids):], skip_special_tokens=True))
     return completions
 
 

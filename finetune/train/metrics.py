@@ -39,12 +39,16 @@ class MetricsRecorder:
         self.tokens = 0
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", disable=not self.active,
                         dynamic_ncols=True, file=sys.stdout)
+        if start_step and self.active:
+            keep_records_before_resume(self.path, start_step)
 
     def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float) -> None:
         self.tokens += tokens
         tokens_per_second = tokens / seconds if seconds else 0.0
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+        if step >= self.max_steps:
+            self.bar.close()  # training is over: its clock stops before the final evaluation's bars
         if step % self.log_every and step != self.max_steps:
             return
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
@@ -55,7 +59,8 @@ class MetricsRecorder:
         record = {"step": step, **{k: v for k, v in result.items() if k != "samples"}}
         self._write(record)
         if self.active:
-            self.bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+            tqdm.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()),
+                       file=sys.stdout)
 
     def _write(self, record: dict) -> None:
         if not self.active:
@@ -66,6 +71,16 @@ class MetricsRecorder:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def keep_records_before_resume(path: Path, step: int) -> None:
+    """Drop what the interrupted run logged after the checkpoint it resumes from (those steps run
+    again), and its evaluation at that step (the resumed run evaluates there again), so a resumed
+    run's metrics.jsonl reads like an uninterrupted one's."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] < step or (r["step"] == step and "eval_loss" not in r)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -26,7 +26,7 @@ from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
 from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
-from finetune.data import Collator, PreparedData, prepare_data
+from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.models import loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
@@ -125,6 +125,8 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
+    fit_run_to_data(data, tokenizer, {"micro-batch-size": config.micro_batch_size,
+                                      "global-batch-size": config.global_batch_size})
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
     with ranks.together(accelerator):
         model = loading.load_model(run, accelerator.device)
