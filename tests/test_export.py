@@ -157,7 +157,7 @@ def test_export_flags_that_cannot_apply_are_one_line_errors(tmp_path, flags, nam
 
 def test_lora_adapter_export_refuses_dtype_and_merge_is_quiet(make_run, tmp_path):
     run = make_run(method="lora", save_every=2)
-    run.train_steps(2)
+    train_steps(run, 2)
     done = export_cli(str(tmp_path / "out"), "--out", str(tmp_path / "a"), "--dtype", "bf16")
     assert done.returncode == 2 and "--dtype: not used for a lora adapter export" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
