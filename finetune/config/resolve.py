@@ -164,6 +164,7 @@ class ResolvedRun:
     launch: Launch
     deepspeed: DeepSpeedSetup | None
     max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
+    given: frozenset[str] = EVERY_OPTION  # the options the user set (flags, YAML); the rest are defaults
 
     @property
     def world_size(self) -> int:
@@ -218,7 +219,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
-                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed)
+                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, given=given)
 
 
 def check_seq_len(max_seq_len: int, spec: ModelSpec | None) -> None:

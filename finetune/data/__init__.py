@@ -79,8 +79,9 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
 
 def fit_run_to_data(data: PreparedData, tokenizer, batch_sizes: dict[str, int | None]) -> None:
     """Make the tokenizer the run saves encode prompts as this data was encoded (`encode_as_training`),
-    and refuse a batch size flag (name → value, None when unset) of more examples than training has:
-    it would silently train on fewer than it says."""
+    and refuse a batch size flag the user gave (name → value, None when unset) of more examples than
+    training has: it would silently train on fewer than it says. (A default larger than a tiny data
+    set is not the user's claim: the loader then serves what there is.)"""
     encode_as_training(tokenizer, data.format)
     rows = len(data.train)
     for flag, size in batch_sizes.items():

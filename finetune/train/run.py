@@ -125,8 +125,8 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
         tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
-    fit_run_to_data(data, tokenizer, {"micro-batch-size": config.micro_batch_size,
-                                      "global-batch-size": config.global_batch_size})
+    fit_run_to_data(data, tokenizer, {option.replace("_", "-"): getattr(config, option) for option in
+                                      ("micro_batch_size", "global_batch_size") if option in run.given})
     set_seed(config.seed)  # identical initial weights on every rank (FSDP keeps each rank's own)
     with ranks.together(accelerator):
         model = loading.load_model(run, accelerator.device)
