@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from finetune.library_logs import PROGRESS_BARS_VARIABLE
+
 # what the libraries printed on every plain run before (DeepSpeed's accelerator detection, peft
 # calling a deprecated transformers method) and what our own output always has
 NOISE = ("Setting accelerator to CPU", "FutureWarning", "Generating train split", "Saving the dataset",
@@ -57,7 +59,8 @@ def test_a_plain_run_shows_finetunes_messages_only(tmp_path):
              "--max-eval-examples", "4", "--num-samples", "0", "--dataset", str(folder / "rows.jsonl"),
              "--data-cache", str(folder / "cache"), "--output-dir", str(folder / "out"), *flags],
             capture_output=True, text=True, timeout=600, check=True,
-            env={**os.environ, "HF_DATASETS_CACHE": str(folder / "datasets")})
+            # without the switch quiet_libraries() leaves in this process's environment after an in-process run
+            env={**{k: v for k, v in os.environ.items() if k != PROGRESS_BARS_VARIABLE}, "HF_DATASETS_CACHE": str(folder / "datasets")})
         return result.stdout + result.stderr
 
     quiet, verbose = run(), run("--verbose")
