@@ -206,7 +206,7 @@ def scale(config: TrainConfig, accelerate_config: str | None, process_counts: li
     one = next(m for m in measured if m.processes == 1)
     modelled = {m.processes: model_efficiency(workloads[m.processes], one.seconds_per_update, m.all_reduce_seconds)
                 for m in measured if m.all_reduce_seconds is not None}
-    return rows_of(measured, modelled), device, workloads[max(process_counts)].strategy
+    return rows_of(measured, modelled), device, workloads[max(process_counts)].strategy.name
 
 
 def format_table(rows: list[ScalingRow], title: str) -> str:
