@@ -100,6 +100,22 @@ def test_precision_sections():
         deepspeed_json.resolve(both_on, "c.json", run_values(precision="bf16-mixed"))
 
 
+def test_pure_bf16_full_fine_tuning_keeps_deepspeeds_master_weights_and_states_in_bf16():
+    """bf16-true full fine-tuning fills DeepSpeed's bf16 master-weight keys; other runs leave them out
+    (older DeepSpeed versions do not know them), and a file fixing them against the run is refused."""
+    keys = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+    section = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
+    pure, notes = deepspeed_json.resolve(section, "a.json", run_values(precision="bf16-true", method="full"))
+    assert pure["bf16"] == {"enabled": True, **dict.fromkeys(keys, True)}
+    assert any("bf16.bf16_master_weights_and_grads" in note for note in notes)
+    for precision, method in (("bf16-mixed", "full"), ("bf16-true", "lora")):
+        other, _ = deepspeed_json.resolve(section, "a.json", run_values(precision=precision, method=method))
+        assert other["bf16"] == {"enabled": True}, (precision, method)
+    fixed = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError, match=r"b\.json: bf16\.bf16_master_weights_and_grads=true but --precision"):
+        deepspeed_json.resolve(fixed, "b.json", run_values(precision="bf16-mixed", method="full"))
+
+
 def test_offload_sections_pass_through_and_are_reported():
     raw = deepspeed_json.load(REPO / "ds_configs" / "zero3_offload.json")
     resolved, _ = deepspeed_json.resolve(raw, "zero3_offload.json", run_values())

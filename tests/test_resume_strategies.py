@@ -375,15 +375,72 @@ def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path, strategy):
         assert counts["deepspeed"] == (5 if strategy.startswith("zero") else None), rank
 
 
-def test_pure_bf16_full_fine_tuning_under_fsdp2_trains_resumes_bitwise_and_stays_bf16(tmp_path):
-    """--precision bf16-true, full fine-tuning, FSDP2 on 2 processes: bf16 weights, gradients and
-    AdamW states (Accelerate's fp32 upcast off), a bitwise resume, and a checkpoint of bf16 weights."""
+MEASURE_ZERO_OPTIMIZER = """
+import json, os, sys
+
+from finetune import cli
+from finetune.train import loop
+
+train = loop.train
+
+
+def train_and_measure(accelerator, model, optimizer, *args, **kwargs):
+    train(accelerator, model, optimizer, *args, **kwargs)
+    zero = optimizer.optimizer  # Accelerate's wrapper holds DeepSpeed's ZeRO optimizer
+    masters = zero.fp32_partitioned_groups_flat if hasattr(zero, "fp32_partitioned_groups_flat") else zero.single_partition_of_fp32_groups
+    states = [t for state in zero.optimizer.state.values() for name, t in state.items() if name != "step"]
+    measured = {"master_bytes": sum(t.numel() * t.element_size() for t in masters),
+                "state_bytes": sum(t.numel() * t.element_size() for t in states),
+                "dtypes": sorted({str(t.dtype) for t in [*masters, *states]})}
+    output_dir = sys.argv[sys.argv.index("--output-dir") + 1]
+    with open(os.path.join(output_dir, f"zero_optimizer_rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(measured, f)
+
+
+loop.train = train_and_measure
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def planned_zero_optimizer_bytes(strategy: str, precision: str) -> float:
+    """The plan's per-GPU DeepSpeed optimizer term for this file's tiny run, less the flat gradient
+    copy it counts for the step (n × the master dtype's bytes, sharded): what the engine keeps."""
+    from finetune.config.options import TrainConfig
+    from finetune.config.resolve import Device, Launch, resolve_run
+    from finetune.plan import gpus
+    from finetune.plan.memory import estimate
+    from finetune.plan.params import count_params
+    from finetune.plan.workload import from_run
+
+    config = TrainConfig(model="tiny", precision=precision, micro_batch_size=2, gradient_accumulation_steps=2, max_seq_len=64)
+    launch = Launch(world_size=2, deepspeed_config_file=str(REPO / "ds_configs" / f"{strategy}.json"))
+    workload = from_run(resolve_run(config, launch, Device()), gpus.get("A100-80GB"))
+    master_bytes = 2 if precision == "bf16-true" else 4
+    return estimate(workload).optimizer - count_params(workload.model).total * master_bytes / 2
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_pure_bf16_full_fine_tuning_trains_resumes_bitwise_and_stays_bf16(tmp_path, strategy):
+    """--precision bf16-true, full fine-tuning on 2 processes: bf16 weights, gradients and AdamW
+    states (FSDP2: Accelerate's fp32 upcast off; ZeRO-3: DeepSpeed's bf16 master weights and
+    optimizer states, measured on the engine against the plan), a bitwise resume, and a checkpoint
+    of bf16 weights."""
     pure = ("--precision", "bf16-true")
     reference = tmp_path / "reference"
-    done = finetune("fsdp2", *pure, "--output-dir", str(reference))
-    assert "strategy: FSDP2" in done.stdout and "precision: bf16-true (weights bfloat16, compute bfloat16)" in done.stdout
+    driver = tmp_path / "measure_zero_optimizer.py"
+    driver.write_text(MEASURE_ZERO_OPTIMIZER)
+    program = (str(driver),) if strategy.startswith("zero") else ("-m", "finetune")
+    done = finetune(strategy, *pure, "--output-dir", str(reference), program=program)
+    label = {"fsdp2": "FSDP2", "zero3": "ZeRO-3"}[strategy]
+    assert f"strategy: {label}" in done.stdout and "precision: bf16-true (weights bfloat16, compute bfloat16)" in done.stdout
+    if strategy.startswith("zero"):
+        planned = planned_zero_optimizer_bytes(strategy, "bf16-true")
+        for rank in (0, 1):
+            engine = json.loads((reference / f"zero_optimizer_rank{rank}.json").read_text())
+            assert engine["dtypes"] == ["torch.bfloat16"], rank  # no fp32 master weights or Adam states
+            assert engine["master_bytes"] + engine["state_bytes"] == pytest.approx(planned, rel=0.02), rank
     resumed = tmp_path / "resumed"
-    finetune("fsdp2", *pure, "--output-dir", str(resumed), "--resume", str(reference / "checkpoints" / "step-000002"))
+    finetune(strategy, *pure, "--output-dir", str(resumed), "--resume", str(reference / "checkpoints" / "step-000002"))
     expected = losses(reference)
     assert sorted(expected) == [1, 2, 3, 4] and len(set(expected.values())) == 4
     assert losses(resumed) == {3: expected[3], 4: expected[4]}  # bitwise

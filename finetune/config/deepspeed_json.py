@@ -37,7 +37,7 @@ from typing import Any
 
 from finetune.errors import ConfigError
 from finetune.config.options import BatchShape, TrainConfig
-from finetune.config.names import PRECISIONS
+from finetune.config.names import PRECISIONS, trains_pure_bf16
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class RunValues:
     batch: BatchShape
     max_grad_norm: float
     precision: str  # --precision as resolved: bf16-mixed, fp32, ...
+    method: str  # full | lora | qlora: bf16-true full fine-tuning keeps no fp32 master weights
     lr: float  # peak LR after --lr-scaling
     lr_scaling: str
     weight_decay: float
@@ -62,7 +63,7 @@ class RunValues:
     @classmethod
     def from_config(cls, config: TrainConfig, batch: BatchShape, precision: str, lr: float,
                     hidden_size: int | None) -> RunValues:
-        return cls(batch, config.max_grad_norm, precision, lr, config.lr_scaling, config.weight_decay,
+        return cls(batch, config.max_grad_norm, precision, config.method, lr, config.lr_scaling, config.weight_decay,
                    (config.adam_beta1, config.adam_beta2), config.adam_epsilon, config.warmup_steps,
                    config.lr_schedule, config.min_lr_ratio, config.max_steps, hidden_size, config.save_final)
 
@@ -104,6 +105,10 @@ def _batch_text(run: RunValues) -> str:
     return f"micro {b.micro_batch_size} × accumulation {b.gradient_accumulation_steps} × world {b.world_size}"
 
 
+def _pure_bf16(run: RunValues) -> bool:
+    return trains_pure_bf16(PRECISIONS[run.precision], run.method)
+
+
 def _hidden(run: RunValues, formula: Callable[[int], int]) -> int | None:
     return None if run.hidden_size is None else formula(run.hidden_size)
 
@@ -122,6 +127,9 @@ OWNED: dict[str, Owned] = {
     "gradient_clipping": Owned(("max_grad_norm",), lambda r: r.max_grad_norm, adopt=_as(_number)),
     "bf16.enabled": Owned(("precision",), lambda r: PRECISIONS[r.precision].accelerate == "bf16"),
     "fp16.enabled": Owned(("precision",), lambda r: PRECISIONS[r.precision].accelerate == "fp16"),
+    # bf16-true full fine-tuning: master weights, gradients and Adam states stay bf16 (DeepSpeed ≥ 0.18)
+    "bf16.bf16_master_weights_and_grads": Owned(("precision",), _pure_bf16),
+    "bf16.bf16_optimizer_states": Owned(("precision",), _pure_bf16),
     "zero_optimization.reduce_bucket_size": Owned(("hidden_size",), lambda r: _hidden(r, lambda h: h * h), False),
     "zero_optimization.stage3_prefetch_bucket_size": Owned(("hidden_size",), lambda r: _hidden(r, lambda h: int(0.9 * h * h)), False),
     "zero_optimization.stage3_param_persistence_threshold": Owned(("hidden_size",), lambda r: _hidden(r, lambda h: 10 * h), False),
@@ -138,6 +146,8 @@ OWNED: dict[str, Owned] = {
 # keys DeepSpeed needs that a file may leave out: filled from the run as if they said "auto"
 FILLED_WHEN_MISSING = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                        "gradient_clipping", "bf16.enabled", "fp16.enabled")
+# filled only for a pure bf16 run, so other runs' files stay readable by DeepSpeed versions without them
+PURE_BF16_KEYS = ("bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states")
 # optimizer/scheduler settings with no flag: the one value the loop's AdamW / LambdaLR implements
 # ("auto" or missing means it too); another fixed value is refused rather than silently ignored
 LOOP_FIXED = {"optimizer.params.adam_w_mode": (True, "AdamW (decoupled weight decay)"),
@@ -214,7 +224,7 @@ def resolve(raw: dict[str, Any], source: str, run: RunValues) -> tuple[dict[str,
     """
     resolved = copy.deepcopy(raw)
     stage3 = zero_stage(resolved) == 3
-    needed = FILLED_WHEN_MISSING + ((GATHER_ON_SAVE,) if stage3 else ())
+    needed = FILLED_WHEN_MISSING + ((GATHER_ON_SAVE,) if stage3 else ()) + (PURE_BF16_KEYS if _pure_bf16(run) else ())
     missing = [key for key in needed if not _has(resolved, key)]
     for key in missing:
         _set(resolved, key, "auto")

@@ -85,10 +85,24 @@ def default_precision(method: str, bf16: bool) -> Precision:
     return PRECISIONS[f"{family}-mixed" if method == "full" else f"{family}-true"]
 
 
-def check_precision(precision: Precision, method: str, strategy: Strategy | None) -> None:
+def trains_pure_bf16(precision: Precision, method: str) -> bool:
+    """bf16-true full fine-tuning: bf16 weights, gradients and AdamW states with no fp32 master copy,
+    as torchtune trains. Under FSDP2 Accelerate's mixed precision is off (train/accelerator.py); under
+    ZeRO the DeepSpeed JSON keeps master weights, gradients and optimizer states in bf16
+    (config/deepspeed_json.py)."""
+    return method == "full" and precision.weights == "bfloat16"
+
+
+def check_precision(precision: Precision, method: str, strategy: Strategy | None = None, offload: str = "none") -> None:
     """Refuse combinations that would not run as named: fp16 weights cannot be updated stably
-    (Accelerate's loss scaler refuses to unscale fp16 gradients). (bf16-true full fine-tuning under
-    FSDP2 runs with Accelerate's mixed precision off, see train/accelerator.py, so it stays pure bf16.)"""
+    (Accelerate's loss scaler refuses to unscale fp16 gradients); DeepSpeed keeps offloaded bf16
+    optimizer states only with its own CPU Adam, while finetune steps torch's AdamW."""
+    if trains_pure_bf16(precision, method) and strategy is not None and strategy.deepspeed and offload != "none":
+        raise FinetuneError(
+            f"--precision bf16-true full fine-tuning under {strategy.label} with {offload} offload is not supported: "
+            "DeepSpeed keeps offloaded bf16 optimizer states only with its own CPU Adam. Use --precision bf16-mixed "
+            "with offload, or ZeRO without offload."
+        )
     if precision.weights == "float16" and method == "full":
         raise FinetuneError(
             "--precision fp16-true keeps the weights in fp16, which full fine-tuning cannot update stably "

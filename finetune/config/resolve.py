@@ -215,7 +215,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
         strategy, offload = STRATEGIES["fsdp"], "params" if launch.fsdp_offload_params else "none"
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
-    check_precision(precision, config.method, strategy)
+    check_precision(precision, config.method, strategy, offload)
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,

@@ -113,7 +113,7 @@ def validate(request: Request) -> None:
         problems.append(f"{request.gpu.name} has no bf16: use --precision fp16-true (LoRA/QLoRA), fp16-mixed or fp32")
     if precision is not None and request.method in METHODS:
         try:
-            check_precision(precision, request.method, strategy)
+            check_precision(precision, request.method, strategy, request.offload if request.offload != "auto" else "none")
         except FinetuneError as e:
             problems.append(str(e))
     for name in ("gpus_per_node", "nodes", "seq_len", "lora_r", "gradient_accumulation_steps"):
@@ -147,7 +147,7 @@ def _strategy_problems(strategy: Strategy, request: Request, world: int) -> list
 
 def candidates(request: Request) -> list[Workload]:
     """Every method × strategy × offload the request leaves open, with micro batch 1. Combinations
-    the trainer would refuse (vocabulary.check_precision) are left out."""
+    the trainer would refuse (names.check_precision) are left out."""
     world = request.gpus_per_node * request.nodes
     methods = METHODS if request.method == "auto" else (request.method,)
     if request.strategy is not None:
@@ -158,12 +158,12 @@ def candidates(request: Request) -> list[Workload]:
     for method in methods:
         precision = request.precision or default_precision(method, request.gpu.bf16)
         for strategy in strategies:
-            try:
-                check_precision(precision, method, strategy)
-            except FinetuneError:
-                continue
             offloads = strategy.offloads if request.offload == "auto" else (request.offload,)
             for offload in offloads:
+                try:
+                    check_precision(precision, method, strategy, offload)
+                except FinetuneError:
+                    continue
                 workloads.append(Workload(
                     model=request.model, gpu=request.gpu, gpus_per_node=request.gpus_per_node, nodes=request.nodes,
                     method=method, strategy=strategy, offload=offload, precision=precision,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.config.names import trains_pure_bf16
 from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
 from finetune.plan.workload import Workload
 
@@ -117,9 +118,7 @@ def model_states(w: Workload) -> ModelStates:
     state_bytes = state_bytes or weight
     optimizer = n_train * states * state_bytes
     if w.deepspeed and p.compute_bytes < 4:
-        # DeepSpeed's 16-bit optimizer keeps fp32 master weights, fp32 Adam states and an fp32
-        # gradient partition (the "16 bytes per parameter" of its estimator).
-        optimizer = n_train * (4 + 4 + states * 4)
+        optimizer = n_train * deepspeed_optimizer_bytes(trains_pure_bf16(p, w.method), states)
     # torch's default (foreach) AdamW on GPU allocates sqrt(exp_avg_sq) for all tensors at once;
     # DeepSpeed's FusedAdam, fused AdamW and bitsandbytes' kernels update in place.
     foreach = w.optimizer == "adamw" and not w.deepspeed and not w.fused_optimizer
@@ -131,6 +130,16 @@ def model_states(w: Workload) -> ModelStates:
         optimizer=optimizer,
         step_scratch=n_train * state_bytes if foreach else 0.0,
     )
+
+
+def deepspeed_optimizer_bytes(pure_bf16: bool, states: int) -> int:
+    """Bytes per trainable parameter that DeepSpeed's ZeRO optimizer holds beside a 16-bit module:
+    a master copy of the weights, a flat copy of the gradient partition for the step, and the Adam
+    states. fp32 all three (the "16 bytes per parameter" of its estimator, with the 16-bit gradient);
+    bf16 for pure bf16 full fine-tuning (bf16_master_weights_and_grads, bf16_optimizer_states).
+    Measured per rank on the engine by tests/test_resume_strategies.py."""
+    held = 2 if pure_bf16 else 4
+    return held + held + states * held
 
 
 def unquantized_bytes(w: Workload) -> int:

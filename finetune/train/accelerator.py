@@ -29,6 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
+from finetune.config.names import trains_pure_bf16
 from finetune.train import preflight
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
 
@@ -115,9 +116,10 @@ def accelerate_mixed_precision(run: ResolvedRun) -> str:
     """Accelerate's mixed_precision for the run. Pure bf16 full fine-tuning under FSDP2 (bf16-true:
     bf16 weights, gradients and AdamW states, as torchtune trains) passes "no": with any other value
     Accelerate upcasts trainable 16-bit parameters to fp32 master weights in `prepare`, which would
-    make the run bf16-mixed. The weights are bf16 already, so every matmul computes in bf16."""
-    pure_bf16 = run.precision.weights == "bfloat16" and run.config.method == "full"
-    return "no" if pure_bf16 and run.strategy.name == "fsdp" else run.precision.accelerate
+    make the run bf16-mixed. The weights are bf16 already, so every matmul computes in bf16. (Under
+    ZeRO, DeepSpeed's bf16 section keeps bf16 master weights instead: config/deepspeed_json.py.)"""
+    pure_bf16 = trains_pure_bf16(run.precision, run.config.method)
+    return "no" if pure_bf16 and run.strategy.fsdp else run.precision.accelerate
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:

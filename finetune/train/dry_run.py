@@ -23,9 +23,10 @@ from finetune.errors import FinetuneError, FitError
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
 from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_DIR, launch_command, plan_command
-from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, estimate, place_states
+from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, deepspeed_optimizer_bytes, estimate, place_states
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload, from_run
+from finetune.config.names import trains_pure_bf16
 from finetune.config.options import TrainConfig, command_line
 from finetune.config.resolve import Device, ResolvedRun
 from finetune.models.source import architecture_of
@@ -137,18 +138,20 @@ def _create_states(optimizer) -> None:
 
 def built_states(run: ResolvedRun, built: Built | None = None) -> ModelStates:
     """The planner's model-state terms of what `build` measured (unsharded). Under DeepSpeed with
-    16-bit compute the engine casts the module to that dtype and keeps fp32 master weights and fp32
-    gradient partitions beside the optimizer states: applied here as its documented layout, since
-    the engine itself cannot start on fake tensors. A 4-bit weight stored in a 16-bit dtype is
+    16-bit compute the engine casts the module to that dtype and keeps master weights and a gradient
+    partition beside the optimizer states (fp32, or bf16 for pure bf16 full fine-tuning): applied
+    here as the layout measured on the engine (`memory.deepspeed_optimizer_bytes`), since the engine
+    itself cannot start on fake tensors. A 4-bit weight stored in a 16-bit dtype is
     already 16-bit, so the cast leaves its packed size alone."""
     built = built or build(run)
-    if run.strategy.deepspeed and run.precision.autocast:
+    pure_bf16 = trains_pure_bf16(run.precision, run.config.method)
+    if run.strategy.deepspeed and (run.precision.autocast or pure_bf16):
         e = run.precision.compute_bytes
-        fp32_states = built.optimizer_bytes * 4 * built.trainable_numel // built.trainable_bytes
+        states = built.optimizer_bytes // built.trainable_bytes  # Adam states per trainable weight
         return ModelStates(frozen=built.frozen_float_numel * e + built.frozen_other_bytes,
                            quant_constants=built.buffer_bytes, trainable=built.trainable_numel * e,
                            gradients=built.trainable_numel * e,
-                           optimizer=built.trainable_numel * (4 + 4) + fp32_states, step_scratch=0.0)
+                           optimizer=built.trainable_numel * deepspeed_optimizer_bytes(pure_bf16, states), step_scratch=0.0)
     return ModelStates(frozen=built.frozen_bytes, quant_constants=built.buffer_bytes, trainable=built.trainable_bytes,
                        gradients=built.trainable_bytes, optimizer=built.optimizer_bytes, step_scratch=0.0)
 
