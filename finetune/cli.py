@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 
-from finetune.errors import FinetuneError, ReportedElsewhere
+from finetune.errors import FinetuneError, ReportedElsewhere, tell_the_launcher
 from finetune.library_logs import library_logs_to_stderr
 
 # subcommand → "module:function"; each function takes argv and returns an exit code
@@ -45,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     library_logs_to_stderr()  # stdout is finetune's (--json), whatever the launcher or --verbose
     try:
         return command(argv)
-    except ReportedElsewhere:
+    except ReportedElsewhere as e:
+        tell_the_launcher(str(e))
         return 2
     except FinetuneError as e:
         print(f"finetune {name}: error: {e}", file=sys.stderr)
+        tell_the_launcher(f"finetune {name}: error: {e}")
         return 2
 
 
@@ -56,11 +58,12 @@ def train(argv: list[str]) -> int:
     """Parse and validate the flags torch-free, so `--help` and mistakes answer in well under a second,
     then plan (--dry-run) or train."""
     from finetune.config.options import parse_command
-    from finetune.library_logs import quiet_libraries
+    from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
     command = parse_command(argv)
     if not command.config.verbose:
         quiet_libraries()
+        quiet_transformers_bars()
     try:
         from finetune.train import dry_run, run
 

@@ -1,6 +1,10 @@
 """Every error the user can fix, in one place: the CLI turns a FinetuneError into one clean line
 instead of a traceback, and the subclasses say which stage found the problem."""
 
+import json
+import os
+import time
+
 
 class FinetuneError(Exception):
     """A problem the user can fix (bad flag, missing file, model that does not fit); the message
@@ -41,4 +45,15 @@ class HubError(FinetuneError):
 
 class ReportedElsewhere(FinetuneError):
     """Another rank of this launch failed and reports the error; this rank stops with exit 2 and
-    prints nothing, so the user reads the message once (see train/ranks.py)."""
+    prints nothing, so the user reads the message once (see train/ranks.py). `args[0]` is that
+    rank's one-line message."""
+
+
+def tell_the_launcher(message: str) -> None:
+    """Under torch's launcher (`accelerate launch`, `torchrun`), write the one-line error to this
+    worker's error file: the launcher's failure summary, which it prints whatever the ranks do,
+    then names it as the root cause instead of "To enable traceback see ...". Elsewhere a no-op."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)

@@ -55,6 +55,15 @@ def library_logs_to_stderr() -> None:
         deepspeed.addFilter(_DEEPSPEED)
 
 
+def quiet_transformers_bars() -> None:
+    """transformers draws a bar for every model it loads or saves ("Loading weights", "Writing model
+    shards"): hundreds of redraws in a log, and one per rank. Imports transformers: call it once the
+    command is known to need it."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 def quiet_libraries() -> None:
     """Keep only errors from the libraries' loggers and drop deprecation warnings. A *_VERBOSITY
     variable the user set wins."""

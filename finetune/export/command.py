@@ -12,7 +12,7 @@ from finetune.errors import FinetuneError
 from finetune.export import hub
 from finetune.export.gguf import GGUF_TYPES, export_gguf
 from finetune.export.safetensors import DTYPES, export, find_trained
-from finetune.library_logs import quiet_libraries
+from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,20 +61,12 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ExportFlagError(f"{given(GGUF_ONLY)}: only --format gguf uses it; add --format gguf or drop the flag.")
 
 
-def quiet_progress_bars() -> None:
-    """transformers draws a "Loading weights" bar for every model the export loads (the merge, the
-    GGUF conversion): hundreds of redraws in a log. Shown with --verbose."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_flags(args)
     if not args.verbose:
         quiet_libraries()
-        quiet_progress_bars()
+        quiet_transformers_bars()
     if args.push_to_hub:
         hub.check_can_push(args.push_to_hub)
     if args.format == "gguf":

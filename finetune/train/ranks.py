@@ -64,17 +64,22 @@ def _share(accelerator, error: Exception | None) -> None:
     if accelerator.num_processes == 1 or not dist.is_initialized():
         return
     outcomes: list[str | None] = [None] * accelerator.num_processes
-    dist.all_gather_object(outcomes, None if error is None else type(error).__name__)
+    dist.all_gather_object(outcomes, None if error is None else _report(error))
     failed = [rank for rank, outcome in enumerate(outcomes) if outcome is not None]
     if not failed:
         return
     reporter = failed[0] == accelerator.process_index
     if reporter:
-        report = (f"finetune train: error: {error}" if isinstance(error, FinetuneError)
-                  else "".join(traceback.format_exception(error)).rstrip())
-        print(report, file=sys.stderr, flush=True)
+        print(outcomes[failed[0]], file=sys.stderr, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if reporter and not isinstance(error, FinetuneError):
         raise SystemExit(1)
-    raise ReportedElsewhere(f"rank {failed[0]} stopped the run ({outcomes[failed[0]]})")
+    raise ReportedElsewhere(outcomes[failed[0]])  # the launcher's summary names it (errors.tell_the_launcher)
+
+
+def _report(error: Exception) -> str:
+    """What the user reads: the message of a FinetuneError, the traceback of anything else."""
+    if isinstance(error, FinetuneError):
+        return f"finetune train: error: {error}"
+    return "".join(traceback.format_exception(error)).rstrip()
