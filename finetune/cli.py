@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 
-from finetune.errors import FinetuneError, ReportedElsewhere, tell_the_launcher
+from finetune.errors import FinetuneError, ReportedElsewhere, report
 from finetune.library_logs import library_logs_to_stderr
 
 # subcommand → "module:function"; each function takes argv and returns an exit code
@@ -45,12 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     library_logs_to_stderr()  # stdout is finetune's (--json), whatever the launcher or --verbose
     try:
         return command(argv)
-    except ReportedElsewhere as e:
-        tell_the_launcher(str(e))
+    except ReportedElsewhere:
         return 2
     except FinetuneError as e:
-        print(f"finetune {name}: error: {e}", file=sys.stderr)
-        tell_the_launcher(f"finetune {name}: error: {e}")
+        report(f"finetune {name}: error: {e}")
         return 2
 
 

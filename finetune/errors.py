@@ -1,9 +1,13 @@
 """Every error the user can fix, in one place: the CLI turns a FinetuneError into one clean line
 instead of a traceback, and the subclasses say which stage found the problem."""
 
+import hashlib
 import json
 import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 class FinetuneError(Exception):
@@ -50,10 +54,28 @@ class ReportedElsewhere(FinetuneError):
 
 
 def tell_the_launcher(message: str) -> None:
-    """Under torch's launcher (`accelerate launch`, `torchrun`), write the one-line error to this
-    worker's error file: the launcher's failure summary, which it prints whatever the ranks do,
-    then names it as the root cause instead of "To enable traceback see ...". Elsewhere a no-op."""
+    """Under torch's launcher (`accelerate launch`, `torchrun`), write the error to this worker's
+    error file: the launcher's failure summary, which it prints whatever the ranks do, then names it
+    as the root cause instead of "To enable traceback see ...". Elsewhere a no-op."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
+def report(message: str) -> None:
+    """Print a rank's error once per launcher and tell the launcher. Before the process group forms,
+    every rank meets the same mistake at once (a flag, a file): the first rank of this launcher to
+    claim the message prints it, so eight ranks print one line, while a message only one rank meets
+    is still printed."""
+    tell_the_launcher(message)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        digest = hashlib.sha256(message.encode()).hexdigest()[:16]
+        claim = Path(tempfile.gettempdir()) / f"finetune-error-{os.getppid()}-{digest}"  # the launcher's pid
+        try:
+            claim.touch(exist_ok=False)
+        except FileExistsError:
+            return  # another rank of this launcher printed it
+        except OSError:
+            pass  # no writable temp dir: print it anyway
+    print(message, file=sys.stderr, flush=True)

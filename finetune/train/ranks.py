@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from finetune.errors import FinetuneError, ReportedElsewhere
+from finetune.errors import FinetuneError, ReportedElsewhere, tell_the_launcher
 
 
 @contextmanager
@@ -71,11 +71,12 @@ def _share(accelerator, error: Exception | None) -> None:
     reporter = failed[0] == accelerator.process_index
     if reporter:
         print(outcomes[failed[0]], file=sys.stderr, flush=True)
+    tell_the_launcher(outcomes[failed[0]])
     dist.barrier()
     dist.destroy_process_group()
     if reporter and not isinstance(error, FinetuneError):
         raise SystemExit(1)
-    raise ReportedElsewhere(outcomes[failed[0]])  # the launcher's summary names it (errors.tell_the_launcher)
+    raise ReportedElsewhere(outcomes[failed[0]])
 
 
 def _report(error: Exception) -> str:
