@@ -291,3 +291,27 @@ def test_hub_id_whose_config_is_in_the_local_cache_is_planned(tmp_path):
                           env=os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["model"]["params"] == 6_738_415_616
+
+
+def test_speed_switches_are_planned_and_pinned_in_the_launch_command(capsys):
+    """`finetune plan --liger --compile`: Liger's fused loss holds no full-vocabulary logits and
+    runs the GPU faster (a GPU-bound 7B shape), compiled blocks cut the per-layer issue time (an
+    issue-bound 1B shape); the launch command and the plan command carry the flags, so the run is
+    the one planned."""
+    def planned(model: str, seq_len: int, micro_batch: int, *flags: str) -> dict:
+        argv = ["plan", "--model", model, "--gpus", "1xH100", "--method", "lora", "--seq-len", str(seq_len),
+                "--micro-batch-size", str(micro_batch), "--gradient-checkpointing", "--json", *flags]
+        assert cli_main(argv) == 0
+        result = json.loads(capsys.readouterr().out)
+        return result["plans"][result["recommended"]]
+
+    plain, liger = planned("mistral-7b", 4096, 2), planned("mistral-7b", 4096, 2, "--liger")
+    assert (plain["liger"], liger["liger"]) == (False, True)
+    assert liger["memory_per_gpu_gib"]["activations"] < plain["memory_per_gpu_gib"]["activations"]
+    assert liger["tokens_per_second"] > plain["tokens_per_second"]
+    assert "--liger" in liger["launch_command"].split() and "--liger" not in plain["launch_command"].split()
+    eager, compiled = planned("llama-3.2-1b", 512, 1), planned("llama-3.2-1b", 512, 1, "--compile")
+    assert (eager["compile"], compiled["compile"]) == (False, True)
+    assert compiled["memory_per_gpu_gib"] == eager["memory_per_gpu_gib"]
+    assert compiled["tokens_per_second"] > eager["tokens_per_second"] and not compiled["speed_calibrated"]
+    assert compiled["launch_command"].split()[-1] == "--compile"

@@ -49,6 +49,8 @@ class Request:
     gradient_accumulation_steps: int = 1
     tokens: float | None = None  # training tokens, for hours and cost
     host_memory_gib: float | None = None  # host RAM per node; None: what the GPU's usual instance has
+    liger: bool = False  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock
+    compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
 
     def __post_init__(self) -> None:
         for name, table in (("strategy", STRATEGIES), ("precision", PRECISIONS)):
@@ -172,6 +174,7 @@ def candidates(request: Request) -> list[Workload]:
                     gradient_checkpointing=bool(request.gradient_checkpointing),
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
+                    loss="liger" if request.liger else "transformers", compile=request.compile,
                 ))
     return workloads
 

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="default: only when needed to fit")
+    parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock); default off")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
     parser.add_argument("--host-memory", metavar="GiB|local",
                         help="host RAM per node a plan may use (default: what the GPU's usual cloud instance has; "

@@ -115,7 +115,12 @@ def train_flags(w: Workload) -> list[str]:
         flags += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
     if w.gradient_checkpointing:
         flags.append("--gradient-checkpointing")
-    return flags
+    return flags + speed_flags(w)
+
+
+def speed_flags(w: Workload) -> list[str]:
+    """The speed switches the plan counted on (each changes its memory or speed terms)."""
+    return ["--liger"] * (w.loss == "liger") + ["--compile"] * w.compile
 
 
 def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR, flags: list[str] | None = None) -> str:
@@ -139,7 +144,7 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
              "--gradient-checkpointing" if w.gradient_checkpointing else "--no-gradient-checkpointing"]
     if w.method != "full":
         words += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
-    return shlex.join([*words, "--write-config", config_dir])
+    return shlex.join([*words, *speed_flags(w), "--write-config", config_dir])
 
 
 def config_texts(plan: Plan, directory: str = DEFAULT_CONFIG_DIR) -> dict[str, str]:

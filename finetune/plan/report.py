@@ -24,6 +24,8 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
+        "liger": w.loss == "liger",
+        "compile": w.compile,
         "fits": p.fits,
         "fits_device": p.fits_device,
         "fits_host": p.fits_host,

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from finetune.train.speedups import compile_seconds
+
 
 def peak_memory_gib() -> dict[str, float]:
     """Peak memory of this process: CUDA allocated and reserved (what the caching allocator holds,
@@ -37,6 +39,8 @@ class MetricsRecorder:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.active = accelerator.is_main_process
         self.tokens = 0
+        self.compiled = compile_seconds()  # compilation so far; each update's share is reported apart
+        self.compile_seconds = 0.0
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", disable=not self.active,
                         dynamic_ncols=True, file=sys.stdout)
         if start_step and self.active:
@@ -44,7 +48,11 @@ class MetricsRecorder:
 
     def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float) -> None:
         self.tokens += tokens
-        tokens_per_second = tokens / seconds if seconds else 0.0
+        compiled, self.compiled = self.compiled, compile_seconds()
+        compiling = min(self.compiled - compiled, seconds)  # the first update of a compiled run, or a recompile
+        self.compile_seconds += compiling
+        training = seconds - compiling
+        tokens_per_second = tokens / training if training else 0.0
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
         if step >= self.max_steps:
@@ -52,7 +60,8 @@ class MetricsRecorder:
         if step % self.log_every and step != self.max_steps:
             return
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
-                  "tokens_per_second": tokens_per_second, "process_cpu_seconds": time.process_time(), **peak_memory_gib()}
+                  "tokens_per_second": tokens_per_second, "compile_seconds": self.compile_seconds,
+                  "process_cpu_seconds": time.process_time(), **peak_memory_gib()}
         self._write(record)
 
     def record_eval(self, step: int, result: dict) -> None:

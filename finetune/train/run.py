@@ -184,6 +184,7 @@ def fit(session: Session) -> dict:
         "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
         "exact_match_before": before.get("exact_match"), "exact_match_after": after.get("exact_match"),
         "samples": samples_before_after(before, after)[: config.num_samples],
+        "compile_seconds": metrics.compile_seconds,  # --compile: not in any update's tokens/s
     }
     if s.accelerator.is_main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -294,9 +295,10 @@ def samples_before_after(before: dict, after: dict) -> list[dict]:
 
 
 def format_summary(summary: dict) -> str:
+    compiled = f"; {summary['compile_seconds']:.1f} s compiling, apart from tokens/s" if summary["compile_seconds"] else ""
     if summary["eval_loss_before"] is None:
-        return f"\n{summary['steps']} optimizer steps; no evaluation"
-    lines = ["", f"{'':24}{'before':>10}{'after':>10}",
+        return f"\n{summary['steps']} optimizer steps; no evaluation{compiled}"
+    lines = ["", *([f"{summary['steps']} optimizer steps{compiled}"] if compiled else []), f"{'':24}{'before':>10}{'after':>10}",
              f"{'eval loss':24}{summary['eval_loss_before']:>10.4f}{summary['eval_loss_after']:>10.4f}"]
     if summary["exact_match_before"] is not None:
         lines.append(f"{'exact match (greedy)':24}{summary['exact_match_before']:>10.1%}{summary['exact_match_after']:>10.1%}")
