@@ -27,6 +27,7 @@ from finetune.checkpoint.progress import Progress
 from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
+from finetune.data.sampler import LengthGroupedSampler, row_lengths
 from finetune.models import loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
@@ -135,7 +136,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print)
 
     collator = Collator(tokenizer)
-    train_loader = DataLoader(data.train, batch_size=run.batch.micro_batch_size, shuffle=True, collate_fn=collator)
+    train_loader = train_dataloader(data.train, run.batch, config, collator)
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
     optimizer = build_optimizer(config, model, run.peak_lr)
     scheduler = build_scheduler(config, optimizer, run.max_steps)
@@ -150,6 +151,15 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
     return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
                    checkpointer, evaluate, resolved)
+
+
+def train_dataloader(rows, batch: BatchShape, config: TrainConfig, collator: Collator) -> DataLoader:
+    """Micro-batches of rows of similar lengths (data/sampler.py), or uniformly random ones with
+    --no-group-by-length or --packing (packed rows are all one length)."""
+    if config.group_by_length and not config.packing:
+        sampler = LengthGroupedSampler(row_lengths(rows), batch.global_batch_size, config.seed)
+        return DataLoader(rows, batch_size=batch.micro_batch_size, sampler=sampler, collate_fn=collator)
+    return DataLoader(rows, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
 
 
 def fit(session: Session) -> dict:
