@@ -162,6 +162,7 @@ def summary(seconds: list[float], tokens_per_update: int, losses: list[float]) -
 
 
 def run_trl(args: argparse.Namespace) -> dict:
+    """The TRL row: SFTTrainer on the rows, its updates timed by UpdateClock."""
     tokenizer = load_tokenizer(str(args.checkpoint), trust_remote_code=False)
     config = sft_config(args.result.parent / "trl", args.micro_batch_size, args.steps, args.seq_len, args.liger)
     trainer = sft_trainer(base_model(args.checkpoint, args.method), tokenizer,
@@ -174,6 +175,7 @@ def run_trl(args: argparse.Namespace) -> dict:
 
 
 def run_peft_loop(args: argparse.Namespace) -> dict:
+    """The bare row: the LoRA model, fused AdamW and the plain loop, nothing else."""
     rows = token_rows(load_tokenizer(str(args.checkpoint), trust_remote_code=False), args.data, args.seq_len)
     model, optimizer = peft_loop(base_model(args.checkpoint, args.method))
     seconds, losses = train_loop(model, optimizer, rows, args.micro_batch_size, args.steps)

@@ -88,6 +88,7 @@ def inputs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def run_dir(row: Row, args: argparse.Namespace) -> Path:
+    """The row's scratch folder (its run.log, finetune's metrics.jsonl or baselines.py's result.json)."""
     return args.work / "runs" / ("throughput-" + re.sub(r"[^a-z0-9]+", "-", row.name.lower()).strip("-"))
 
 
