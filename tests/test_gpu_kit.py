@@ -2,10 +2,11 @@
 their RECORD, the carry budget counts what travels, memory.py lists its grid with the planner's
 predictions, and run.sh installs and stops cleanly where CUDA is first needed."""
 
-import argparse
 import csv
 import dataclasses
+import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, tiny_model
 
 KIT = REPO / "bench/gpu"
 sys.path.insert(0, str(KIT))
@@ -58,7 +59,7 @@ def test_slimming_drops_members_and_their_record_lines(tmp_path):
 def test_every_wheel_is_pinned_and_named_like_its_file():
     requirements = [w.requirement for w in wheels.WHEELS]
     assert all("==" in r for r in requirements) and len(set(requirements)) == len(requirements)
-    assert {"datasets", "bitsandbytes", "deepspeed", "pyarrow"} <= {r.split("==")[0] for r in requirements}
+    assert {"datasets", "bitsandbytes", "deepspeed", "pyarrow", "trl", "liger-kernel"} <= {r.split("==")[0] for r in requirements}
     assert wheels.distribution(Path("charset_normalizer-3.4.3-cp312-cp312-manylinux2014_x86_64.whl")) == "charset-normalizer"
 
 
@@ -165,21 +166,152 @@ def test_results_table_and_csv_compare_measured_with_planned(tmp_path):
     assert written[1]["predicted_allocated_gib"] == ""
 
 
-def test_throughput_dry_run_lists_every_program_with_finetune_planned():
+def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
+    """Every row, finetune's with its plan, each with the command it runs: finetune's flags parse as
+    finetune's, the baselines' as baselines.py's, all on the same checkpoint, rows and shape."""
+    import baselines
     import throughput
+    from finetune.config.options import parse_config
 
     result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
-                             "--micro-batch-size", "4"], capture_output=True, text=True, check=True)
-    lines = result.stdout.splitlines()
-    assert "mistral-7b qlora" in lines[0] and "micro batch 4" in lines[0]
-    rows = {row.name: row for row in throughput.ROWS}
-    assert {row.program for row in rows.values()} == {"finetune", "trl", "peft-loop"}
-    for line in lines[1:]:
-        name = line[:36].strip()
-        row = rows.pop(name)
+                             "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)
+    header, *lines = result.stdout.splitlines()
+    assert "mistral-7b qlora" in header and "micro batch 4" in header
+    args = throughput.parse_args(["--dry-run", "--method", "qlora", "--micro-batch-size", "4", "--work", str(tmp_path)])
+    checkpoint = tmp_path / "random-init/mistral-7b"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
+    assert len(lines) == 2 * len(throughput.ROWS) == 14
+    for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
+        assert line[:36].strip() == row.name and command.startswith("      $ ")
+        argv = shlex.split(command.removeprefix("      $ "))
         if row.program == "finetune":
-            args = argparse.Namespace(model="mistral-7b", method="qlora", seq_len=4096, micro_batch_size=4, gpu="H100-80GB")
             assert f"planned {throughput.planned(row, args):,.0f} tok/s" in line
+            config = parse_config(argv[3:])
+            assert (config.model, config.dataset, config.method) == (str(checkpoint), str(tmp_path / "data-4096.jsonl"), "qlora")
+            assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
+                    config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
         else:
-            assert "not planned" in line
-    assert rows == {}
+            assert "not planned" in line and argv[1] == str(KIT / "baselines.py")
+            parsed = baselines.parse_args(argv[2:])
+            assert (parsed.program, parsed.liger, parsed.method, parsed.micro_batch_size, parsed.seq_len, parsed.steps) == (
+                row.program, row.liger, "qlora", 4, 4096, 6)
+            assert (parsed.checkpoint, parsed.data) == (checkpoint, tmp_path / "data-4096.jsonl")
+    assert {row.program for row in throughput.ROWS} == {"finetune", "trl", "peft-loop"}
+    assert [row.program for row in throughput.ROWS][-2:] == ["finetune", "finetune"]  # compiled rows last
+
+
+def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
+    """No row is dropped: without CUDA each is listed with why, the CSV has all of them, no
+    checkpoint is written, and the exit code says the finetune rows did not run."""
+    import throughput
+
+    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert throughput.run_rows(args) == 1
+    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
+    assert [r["row"] for r in rows] == [row.name for row in throughput.ROWS]
+    assert {r["status"] for r in rows} == {"skipped: no CUDA device"}
+    assert not (args.work / "random-init").exists()
+
+
+def test_rows_are_skipped_for_missing_packages_only(monkeypatch):
+    import throughput
+
+    installed = {"trl"}
+    monkeypatch.setattr(throughput.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
+    skipped = {name for name, reason in reasons.items() if reason}
+    assert skipped == {row.name for row in throughput.ROWS if row.liger}
+    assert all(reasons[name].startswith("liger-kernel is not installed") for name in skipped)
+    installed = {"liger_kernel"}
+    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
+    assert {name for name, reason in reasons.items() if reason} == {"TRL SFTTrainer", "TRL SFTTrainer use_liger_kernel"}
+
+
+def test_throughput_table_lines():
+    import throughput
+
+    finetune = {"row": "finetune --compile", "status": "ok", "tokens_per_second": 7512.4, "planned_tokens_per_second": 7142.0,
+                "allocated_gib": 21.456, "reserved_gib": 23.1, "seconds": 61.2, "compile_seconds": 48.7}
+    trl = {"row": "TRL SFTTrainer", "status": "skipped: trl is not installed", "planned_tokens_per_second": None}
+    assert throughput.table_line(finetune) == (f"{'finetune --compile':<34}     7,512     7,142  21.46 GiB allocated, "
+                                               "23.10 reserved, 61 s, 49 s compiling")
+    assert throughput.table_line(trl) == f"{'TRL SFTTrainer':<34}         –         –  skipped: trl is not installed"
+
+
+@pytest.fixture
+def text_rows(tmp_path):
+    """memory.py's text rows of 32 tokens, encoded by the builtin tokenizer the random-init checkpoints carry."""
+    import baselines
+    from finetune.data import BUILTIN_DIR
+    from finetune.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(BUILTIN_DIR), trust_remote_code=False)
+    return tokenizer, baselines.token_rows(tokenizer, memory.write_text_data(tmp_path / "data-32.jsonl", 32), 32)
+
+
+def test_baselines_read_finetunes_rows_of_exactly_seq_len(text_rows, tmp_path):
+    import baselines
+
+    tokenizer, rows = text_rows
+    assert len(rows) == memory.DATA_ROWS and {len(r["input_ids"]) for r in rows} == {32}
+    assert all(r["labels"] == r["input_ids"] and r["input_ids"][0] == tokenizer.bos_token_id for r in rows)
+    with pytest.raises(ValueError, match="are not 64 tokens"):
+        baselines.token_rows(tokenizer, tmp_path / "data-32.jsonl", 64)
+
+
+def test_peft_loop_trains_lora_with_fused_adamw(text_rows):
+    """The bare loop on CPU, on a 2-layer Llama: only LoRA trains, checkpointing is on, AdamW is
+    fused, every update is timed and moves the adapters. (Its CUDA run is not tested here.)"""
+    import baselines
+    import torch
+
+    tokenizer, rows = text_rows
+    model, optimizer = baselines.peft_loop(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert optimizer.defaults["fused"] is True and model.base_model.model.is_gradient_checkpointing
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    assert not lora_b.any()  # PEFT starts B at zero
+    seconds, losses = baselines.train_loop(model, optimizer, rows, micro_batch_size=2, steps=3)
+    assert len(seconds) == len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert lora_b.any()
+    measured = baselines.summary(seconds, 2 * 32, losses)
+    assert measured["tokens_per_second"] == pytest.approx((64 / seconds[1] + 64 / seconds[2]) / 2)  # per update, after the first
+
+
+def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
+    """The SFTConfig each TRL row runs with, built without a GPU (transformers is told bf16 is
+    available, as on the H100): micro batch, no accumulation, bf16, non-reentrant checkpointing,
+    fused AdamW, whole rows of --seq-len, and use_liger_kernel per row."""
+    pytest.importorskip("trl", reason="trl is bench-only: pip install trl==1.16.0 (constraints.txt)")
+    import baselines
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    for liger in (False, True):
+        config = baselines.sft_config(tmp_path, micro_batch_size=4, steps=6, seq_len=4096, liger=liger)
+        assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.max_steps) == (4, 1, 6)
+        assert config.bf16 and not config.fp16 and config.gradient_checkpointing
+        assert config.gradient_checkpointing_kwargs == {"use_reentrant": False} and config.optim == "adamw_torch_fused"
+        assert (config.max_length, config.packing, config.padding_free, config.use_liger_kernel) == (4096, False, False, liger)
+        assert (config.save_strategy, config.eval_strategy, config.max_grad_norm) == ("no", "no", 1.0)
+
+
+def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_rows, tmp_path):
+    """SFTTrainer keeps finetune's ids and labels (no retokenizing, truncating or packing) and the
+    clock times every update: 2 updates of a 2-layer Llama on CPU (bf16 off: this CPU run checks the
+    data path, not the speed)."""
+    pytest.importorskip("trl", reason="trl is bench-only: pip install trl==1.16.0 (constraints.txt)")
+    import baselines
+    import transformers.training_args
+
+    tokenizer, rows = text_rows
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    config = dataclasses.replace(baselines.sft_config(tmp_path, 2, 2, 32, liger=False), bf16=False, use_cpu=True)
+    trainer = baselines.sft_trainer(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)), tokenizer, rows, config)
+    assert trainer.train_dataset.to_list() == rows
+    clock = baselines.UpdateClock()
+    trainer.add_callback(clock)
+    trainer.train()
+    assert len(clock.seconds) == 2 and [r["num_tokens"] for r in trainer.state.log_history if "loss" in r] == [64, 128]

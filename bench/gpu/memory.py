@@ -53,6 +53,7 @@ DATA_ROWS = 64
 # replaced by each model's measured time once it has run. Writing a shape's random-init
 # checkpoint once costs about WRITE_SECONDS_PER_B more, and 2 bytes per parameter of disk.
 ROW_SECONDS_FIXED, ROW_SECONDS_PER_B, WRITE_SECONDS_PER_B = 25.0, 8.0, 4.0
+DEFAULT_WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "finetune-gpu-memory"  # also throughput.py's: checkpoints are reused
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,16 @@ def measure(row: Row, model_dir: Path, data: Path, output_dir: Path, timeout_s: 
     """Run the trainer for the row; peaks and tokens/s from its metrics.jsonl, or why it failed."""
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
-    command = [sys.executable, "-m", "finetune", *row.train_flags(model_dir, data, output_dir)]
+    result = run_logged([sys.executable, "-m", "finetune", *row.train_flags(model_dir, data, output_dir)], output_dir, timeout_s)
+    if result["status"] != "ok":
+        return result
+    return result | metrics_summary(output_dir)
+
+
+def run_logged(command: list[str], output_dir: Path, timeout_s: float) -> dict:
+    """Run `command` from the repository root with its output kept in output_dir/run.log, so a
+    failed row says why without flooding the kit's log: {"status": ok, exit N, timeout or OOM,
+    "seconds"} and, on failure, "error": its last error line."""
     started = time.monotonic()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout_s, 1), cwd=REPO,
@@ -147,17 +157,22 @@ def measure(row: Row, model_dir: Path, data: Path, output_dir: Path, timeout_s: 
         log, status = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
     (output_dir / "run.log").write_text(log if isinstance(log, str) else log.decode(errors="replace"))
     seconds = time.monotonic() - started
-    if status != "ok":
-        if "out of memory" in str(log).lower():
-            status = "OOM"
-        errors = [line for line in str(log).splitlines() if re.search(r"Error|error:", line)]
-        return {"status": status, "seconds": seconds, "error": errors[-1][:300] if errors else ""}
+    if status == "ok":
+        return {"status": status, "seconds": seconds}
+    if "out of memory" in str(log).lower():
+        status = "OOM"
+    errors = [line for line in str(log).splitlines() if re.search(r"Error|error:", line)]
+    return {"status": status, "seconds": seconds, "error": errors[-1][:300] if errors else ""}
+
+
+def metrics_summary(output_dir: Path) -> dict:
+    """A finished finetune run's peaks, tokens/s (median over the updates after the first: the first
+    grows the allocator and picks kernels), compile seconds and losses, from its metrics.jsonl."""
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r]
-    return {"status": "ok", "seconds": seconds, "allocated_gib": steps[-1]["peak_gpu_allocated_gib"],
-            "reserved_gib": steps[-1]["peak_gpu_reserved_gib"],
+    return {"allocated_gib": steps[-1]["peak_gpu_allocated_gib"], "reserved_gib": steps[-1]["peak_gpu_reserved_gib"],
             "tokens_per_second": statistics.median(r["tokens_per_second"] for r in steps[1:]),
-            "losses": [round(r["loss"], 4) for r in steps]}
+            "compile_seconds": steps[-1].get("compile_seconds", 0.0), "losses": [round(r["loss"], 4) for r in steps]}
 
 
 def row_estimate(row: Row, seen: dict[str, float]) -> float:
@@ -287,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gpu = "H100-80GB"
     gpu, capacity, device = device_description(args.gpu)
     rows = grid(args.models.split(","), args.methods.split(","))[: args.limit]
-    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "finetune-gpu-memory"
+    work = args.work or DEFAULT_WORK
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(rows)} rows on {device}", flush=True)
     results = run_grid(rows, gpu, capacity, work, args.deadline, args.dry_run)

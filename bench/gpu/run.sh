@@ -10,12 +10,17 @@
 #   4. pytest -m gpu: real CUDA steps of every method, FSDP2, ZeRO-2-offload, resume/export, fit check
 #                                                                  → $OUT/gpu-tests.log, gpu-tests.xml
 #   5. finetune doctor                                             → $OUT/doctor.txt, doctor.json
-#   6. bench/gpu/memory.py until the deadline                      → $OUT/memory.md, memory.csv
+#   6. bench/gpu/throughput.py (KIT_STEPS=throughput): finetune ± Liger/compile vs TRL SFTTrainer ± Liger
+#      vs a bare PEFT loop on a random-init Mistral-7B, compiled rows last, until the deadline
+#                                                                  → $OUT/throughput.csv, throughput-*.log
+#   7. bench/gpu/memory.py until the deadline                      → $OUT/memory.md, memory.csv
 # Knobs: KIT_SECONDS (total budget, default 570), KIT_TEST_SECONDS (cap for step 4, default 300),
 # KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init checkpoints, caches; default /tmp/finetune-gpukit,
 # reused by a second command on the same machine),
-# KIT_STEPS (default "tests doctor memory"; e.g. "memory" to spend a second command on more rows),
-# KIT_MEMORY_ARGS (extra memory.py flags, e.g. "--models llama-7b,llama-3.1-8b").
+# KIT_STEPS (default "tests doctor memory"; e.g. "memory" to spend a second command on more rows, "throughput"
+# for the comparison: its 7 rows of a 7B take most of one command), KIT_MEMORY_ARGS (extra memory.py flags,
+# e.g. "--models llama-7b,llama-3.1-8b"), KIT_THROUGHPUT_ARGS (extra throughput.py flags, e.g. "--method qlora
+# --micro-batch-size 4").
 set -euo pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 cd "$(dirname "$0")/../.."
@@ -49,6 +54,8 @@ python -m pip install -q --no-index --no-deps --no-build-isolation -e .
 python -m pip check > "$OUT/pip-check.txt" 2>&1 || echo "pip check reports conflicts (kept going): see pip-check.txt"
 python -c "import datasets, bitsandbytes, deepspeed, finetune; print('imports ok: datasets', datasets.__version__, '| bitsandbytes', bitsandbytes.__version__, '| deepspeed', deepspeed.__version__)" \
   || echo "an import failed (kept going): the steps that need it will fail and say so"
+python -c "import trl, liger_kernel.transformers; print('imports ok: trl', trl.__version__, '| liger-kernel')" \
+  || echo "trl or liger-kernel does not import (kept going): throughput.py's rows that need it will say so"
 
 step "CUDA"
 if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -70,6 +77,13 @@ if wanted doctor; then
   python -m finetune doctor --output-dir "$WORK" > "$OUT/doctor.txt" 2>&1 || true
   python -m finetune doctor --output-dir "$WORK" --json > "$OUT/doctor.json" 2>/dev/null || true
   cat "$OUT/doctor.txt"
+fi
+
+if wanted throughput; then
+  step "throughput: finetune vs TRL vs a bare PEFT loop"
+  # shellcheck disable=SC2086
+  python bench/gpu/throughput.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_THROUGHPUT_ARGS:-} \
+    || echo "throughput: exit $? (a finetune row did not run; see throughput.csv)"
 fi
 
 if wanted memory; then

@@ -1,38 +1,53 @@
 """finetune vs TRL SFTTrainer (± Liger) vs a bare PEFT loop, one shape, one GPU, one command.
 
-    python bench/gpu/throughput.py --dry-run                       # the rows and their planned tokens/s, no GPU
-    python bench/gpu/throughput.py --out DIR [--model mistral-7b] [--method lora] [--seq-len 4096] [--micro-batch-size 2]
+    python bench/gpu/throughput.py --dry-run                       # the rows, their commands and finetune's plan, no GPU
+    python bench/gpu/throughput.py --out DIR [--work DIR] [--deadline EPOCH_SECONDS] [--model mistral-7b]
+        [--method lora] [--seq-len 4096] [--micro-batch-size 2] [--steps 6]
 
-The shape of issue 15's goal by default: a random-init Mistral-7B, LoRA r16 on all linear layers,
-bf16 base, gradient checkpointing, rows of exactly --seq-len tokens. Each row runs in its own process
-(so one row's allocator state and compiled graphs do not help the next), for --steps updates; its
-tokens/s is the median update after the first (compile time, if any, is in the first and reported
-apart as first-update seconds), with torch.cuda.max_memory_allocated/reserved. Writes
-DIR/throughput.csv and prints a table. trl and liger-kernel are pure Python: carry their wheels in
-bench/gpu/wheels.
+The shape of issue 15's goal by default: a random-init Mistral-7B (memory.py's checkpoint, written
+once into --work), LoRA r16 alpha 32 on all linear layers, bf16 base, gradient checkpointing, text
+rows of exactly --seq-len tokens. Each row runs in its own process (so one row's allocator state and
+compiled graphs do not help the next), for --steps updates: finetune's rows are `python -m finetune`,
+TRL's and the bare PEFT loop's are bench/gpu/baselines.py, on the same checkpoint and the same token
+ids. Tokens/s is the median update after the first (compile time, if any, is in the first and
+reported apart), with torch.cuda.max_memory_allocated/reserved of the row's process. A row that
+cannot run here (no CUDA, trl or liger-kernel not installed) is listed as "skipped: why"; one that
+would start too close to --deadline as "not run: time". Writes DIR/throughput.csv after every row
+and each row's log as DIR/throughput-ROW.log, prints a table; exits 0 when finetune rows ran and
+none of them failed (the other programs' rows may fail or be skipped). trl and liger-kernel are pure
+Python: carry their wheels in bench/gpu/wheels (bench/gpu/wheels.sh).
 
-Not yet run on a GPU: no GPU was lent to the session that wrote it (bench/RESULTS.md).
+Not yet run on a GPU: no GPU was lent to the sessions that wrote it (bench/RESULTS.md); the CPU tests
+(tests/test_gpu_kit.py) cover the dry run, the commands and the baselines' configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
-import statistics
-import subprocess
+import re
+import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+KIT = Path(__file__).resolve().parent
+sys.path[:0] = [str(REPO), str(KIT)]
 
+import memory  # noqa: E402  (the kit's random-init checkpoints, text rows and row runner)
 from finetune.models import catalog  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.speed import estimate_speed  # noqa: E402
 from finetune.plan.workload import Workload  # noqa: E402
+
+MIN_ROW_SECONDS = 60  # a 7B row: interpreter and imports, 14 GB of weights from the page cache, the updates
+CSV_FIELDS = ("row", "program", "liger", "compile", "status", "tokens_per_second", "planned_tokens_per_second",
+              "allocated_gib", "reserved_gib", "compile_seconds", "first_update_seconds", "seconds", "losses", "error")
 
 
 @dataclass(frozen=True)
@@ -43,14 +58,16 @@ class Row:
     compile: bool = False
 
 
+# In the order worth measuring when --deadline cuts the run short: the eager comparison first, the
+# compiled rows last (their first update compiles for a minute or more).
 ROWS = (
     Row("finetune", "finetune"),
     Row("finetune --liger", "finetune", liger=True),
-    Row("finetune --compile", "finetune", compile=True),
-    Row("finetune --liger --compile", "finetune", liger=True, compile=True),
     Row("TRL SFTTrainer", "trl"),
     Row("TRL SFTTrainer use_liger_kernel", "trl", liger=True),
     Row("bare PEFT loop, fused AdamW", "peft-loop"),
+    Row("finetune --compile", "finetune", compile=True),
+    Row("finetune --liger --compile", "finetune", liger=True, compile=True),
 )
 
 
@@ -65,13 +82,43 @@ def planned(row: Row, args: argparse.Namespace) -> float | None:
     return estimate_speed(w).tokens_per_second
 
 
-def finetune_command(row: Row, args: argparse.Namespace, checkpoint: Path, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "finetune", "--model", str(checkpoint), "--method", args.method, "--precision",
-            "bf16-true", "--gradient-checkpointing", "--dataset", str(data), "--format", "text", "--max-seq-len",
-            str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size), "--max-steps", str(args.steps),
+def inputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(random-init checkpoint, text rows) in --work, named as memory.py names them so both reuse them."""
+    return args.work / "random-init" / args.model, args.work / f"data-{args.seq_len}.jsonl"
+
+
+def run_dir(row: Row, args: argparse.Namespace) -> Path:
+    """The row's scratch folder (its run.log, finetune's metrics.jsonl or baselines.py's result.json)."""
+    return args.work / "runs" / ("throughput-" + re.sub(r"[^a-z0-9]+", "-", row.name.lower()).strip("-"))
+
+
+def row_command(row: Row, args: argparse.Namespace) -> list[str]:
+    """The process the row runs: finetune as a user types it, or baselines.py for TRL and the PEFT loop."""
+    checkpoint, data = inputs(args)
+    if row.program != "finetune":
+        return [sys.executable, str(KIT / "baselines.py"), row.program, "--checkpoint", str(checkpoint), "--data",
+                str(data), "--method", args.method, "--seq-len", str(args.seq_len), "--micro-batch-size",
+                str(args.micro_batch_size), "--steps", str(args.steps), *(["--liger"] if row.liger else []),
+                "--result", str(run_dir(row, args) / "result.json")]
+    return [sys.executable, "-m", "finetune", "--model", str(checkpoint), "--dataset", str(data), "--format", "text",
+            "--method", args.method, "--max-seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
+            "--max-steps", str(args.steps), "--precision", "bf16-true", "--gradient-checkpointing",
+            "--gradient-accumulation-steps", "1", "--lora-r", "16", "--lora-targets", "all-linear", "--optimizer", "adamw",
             "--log-every", "1", "--max-eval-examples", "0", "--num-samples", "0", "--no-save-final",
             "--liger" if row.liger else "--no-liger", "--compile" if row.compile else "--no-compile",
-            "--output-dir", str(out)]
+            "--output-dir", str(run_dir(row, args))]
+
+
+def skip_reason(row: Row, cuda: bool) -> str | None:
+    """Why the row cannot run on this machine, or None. finetune would run --liger without the
+    kernels (with a note) rather than fail, so a missing liger-kernel skips its rows too."""
+    if not cuda:
+        return "no CUDA device"
+    if row.program == "trl" and importlib.util.find_spec("trl") is None:
+        return "trl is not installed (carry bench/gpu/wheels: bash bench/gpu/wheels.sh)"
+    if row.liger and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (carry bench/gpu/wheels: bash bench/gpu/wheels.sh)"
+    return None
 
 
 def dry_run(args: argparse.Namespace) -> None:
@@ -82,27 +129,86 @@ def dry_run(args: argparse.Namespace) -> None:
         plan = f"planned {rate:,.0f} tok/s" if rate else "not planned (another program)"
         print(f"  {row.name:<34} {row.program:<10} liger={'on' if row.liger else 'off':<4}"
               f"compile={'on' if row.compile else 'off':<4} {plan}")
+        print(f"      $ {shlex.join(row_command(row, args))}")
 
 
-def text_rows(tokens: int, path: Path) -> Path:
-    """Rows of at least `tokens` tokens of plain words, truncated to exactly --seq-len by each program."""
-    words = " ".join(f"w{i % 997}" for i in range(tokens))
-    path.write_text("".join(json.dumps({"text": words}) + "\n" for _ in range(64)))
-    return path
+def measure(row: Row, args: argparse.Namespace, timeout_s: float) -> dict:
+    """Run the row's process; its measured fields, or why it failed."""
+    out = run_dir(row, args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").unlink(missing_ok=True)
+    result = memory.run_logged(row_command(row, args), out, timeout_s)
+    shutil.copy(out / "run.log", args.out / f"{out.name}.log")  # --work is scratch; the logs go back with the table
+    if result["status"] != "ok":
+        return result
+    if row.program == "finetune":
+        return result | memory.metrics_summary(out)
+    return result | json.loads((out / "result.json").read_text())
 
 
-def finetune_row(row: Row, args, checkpoint: Path, data: Path, out: Path) -> dict:
-    subprocess.run(finetune_command(row, args, checkpoint, data, out), check=True, timeout=args.row_timeout)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    return {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in steps[1:]),
-            "allocated_gib": steps[-1].get("peak_gpu_allocated_gib"), "reserved_gib": steps[-1].get("peak_gpu_reserved_gib")}
+def run_rows(args: argparse.Namespace) -> int:
+    """Every row on this GPU, throughput.csv rewritten after each; 0 when finetune rows ran and none failed."""
+    import torch
+
+    reasons = {row: skip_reason(row, torch.cuda.is_available()) for row in ROWS}
+    checkpoint, data = inputs(args)
+    if any(reason is None for reason in reasons.values()):
+        memory.write_text_data(data, args.seq_len)
+        memory.random_checkpoint(args.model, checkpoint.parent, timeout_s=seconds_left(args, 900))
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for row in ROWS:
+        result = {"row": row.name, "program": row.program, "liger": row.liger, "compile": row.compile,
+                  "planned_tokens_per_second": planned(row, args)}
+        if reasons[row]:
+            result["status"] = f"skipped: {reasons[row]}"
+        elif args.deadline and args.deadline - time.time() < MIN_ROW_SECONDS:
+            result["status"] = "not run: time"
+        else:
+            result |= measure(row, args, seconds_left(args, args.row_timeout))
+        results.append(result)
+        print(table_line(result), flush=True)
+        write_csv(results, args.out / "throughput.csv")
+    print("\n".join(table(results, args)))
+    ran = [r for r in results if r["program"] == "finetune" and "seconds" in r]  # not skipped, not cut by the deadline
+    return 0 if ran and all(r["status"] == "ok" for r in ran) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def seconds_left(args: argparse.Namespace, cap: float) -> float:
+    """`cap` seconds, or fewer when --deadline comes first."""
+    return min(cap, args.deadline - time.time()) if args.deadline else cap
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+
+
+def table_line(r: dict) -> str:
+    """One row of the table: measured tokens/s beside the plan and the CUDA peaks, or its status."""
+    plan = f"{r['planned_tokens_per_second']:>9,.0f}" if r["planned_tokens_per_second"] else f"{'–':>9}"
+    if r["status"] != "ok":
+        return f"{r['row']:<34} {'–':>9} {plan}  {r['status']}" + (f": {r['error']}" if r.get("error") else "")
+    compiling = f", {r['compile_seconds']:.0f} s compiling" if r.get("compile_seconds") else ""
+    return (f"{r['row']:<34} {r['tokens_per_second']:>9,.0f} {plan}  {r['allocated_gib']:.2f} GiB allocated, "
+            f"{r['reserved_gib']:.2f} reserved, {r['seconds']:.0f} s{compiling}")
+
+
+def table(results: list[dict], args: argparse.Namespace) -> list[str]:
+    return ["", f"{args.model} {args.method}, seq {args.seq_len}, micro batch {args.micro_batch_size}, {args.steps} updates "
+            "(tokens/s: median after the first):", f"{'row':<34} {'tok/s':>9} {'planned':>9}  peaks",
+            *map(table_line, results), f"wrote {args.out / 'throughput.csv'}"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="print the rows and finetune's planned tokens/s")
+    parser.add_argument("--dry-run", action="store_true", help="print the rows, their commands and finetune's planned tokens/s")
     parser.add_argument("--out", type=Path, help="where throughput.csv goes (a GPU run)")
+    parser.add_argument("--work", type=Path, default=memory.DEFAULT_WORK,
+                        help="scratch shared with memory.py: random-init checkpoints, text rows, each row's run")
+    parser.add_argument("--deadline", type=float, help="epoch seconds: no row starts less than a minute before, none runs past")
     parser.add_argument("--model", default="mistral-7b")
     parser.add_argument("--method", default="lora", choices=("lora", "qlora"))
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -111,37 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="H100-80GB", help="GPU class the plan column is for")
     parser.add_argument("--row-timeout", type=float, default=300)
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: tokens/s is the median after the first update")
+    if args.out is None and not args.dry_run:
+        parser.error("--out DIR is needed for a GPU run (or --dry-run)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.dry_run:
         dry_run(args)
         return 0
-    if args.out is None:
-        parser.error("--out DIR is needed for a GPU run (or --dry-run)")
     return run_rows(args)
-
-
-def run_rows(args: argparse.Namespace) -> int:
-    """Every row on this GPU. TRL and the bare PEFT loop rows are not written yet: they are listed
-    as such in throughput.csv rather than measured by a stand-in."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from memory import random_checkpoint  # the kit's random-init checkpoint of a catalog shape
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    checkpoint = random_checkpoint(args.model, args.out / "random-init", timeout_s=900)
-    data = text_rows(args.seq_len, args.out / "rows.jsonl")
-    results = []
-    for row in ROWS:
-        started = time.perf_counter()
-        measured = {"status": "not written yet"}
-        if row.program == "finetune":
-            measured = finetune_row(row, args, checkpoint, data, args.out / row.name.replace(" ", "_")) | {"status": "ok"}
-        results.append({"row": row.name, "planned_tokens_per_second": planned(row, args), **measured,
-                        "seconds": round(time.perf_counter() - started, 1)})
-        print(results[-1], flush=True)
-    with open(args.out / "throughput.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, sorted({k for r in results for k in r}))
-        writer.writeheader()
-        writer.writerows(results)
-    return 0
 
 
 if __name__ == "__main__":

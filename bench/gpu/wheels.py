@@ -5,10 +5,10 @@
     python bench/gpu/wheels.py install       # on the device, offline (bench/gpu/run.sh)
 
 The device image (Python 3.12, torch 2.11 + CUDA 13, accelerate 1.15, transformers 5.17, peft,
-safetensors, tokenizers, pyyaml, tqdm, matplotlib, pytest) has no datasets, bitsandbytes or
-deepspeed, and only the working tree plus ≤ 8 ignored paths travel: 64 MiB in all. As published
-the missing wheels weigh ~118 MB (pyarrow 55, bitsandbytes 43, pandas 12, deepspeed and the small
-ones 8), so three are slimmed by dropping files that training never loads: pyarrow's Flight RPC,
+safetensors, tokenizers, pyyaml, tqdm, matplotlib, pytest) has no datasets, bitsandbytes,
+deepspeed, trl or liger-kernel, and only the working tree plus ≤ 8 ignored paths travel: 64 MiB in
+all. As published the missing wheels weigh ~120 MB (pyarrow 55, bitsandbytes 43, pandas 12,
+deepspeed and the small ones 10), so three are slimmed by dropping files that training never loads: pyarrow's Flight RPC,
 S3 filesystem, C++ headers, Cython sources and tests; pandas' tests; bitsandbytes' kernels for
 CUDA 11.8-12.8, ROCm and XPU (the CUDA 13 and CPU libraries stay). Nothing else is dropped.
 """
@@ -73,6 +73,11 @@ WHEELS = (
     Wheel("pydantic-core==2.33.2", "pydantic"),
     Wheel("annotated-types==0.7.0", "pydantic"),
     Wheel("typing-inspection==0.4.1", "pydantic"),
+    # bench/gpu/throughput.py's other rows; pure Python, their dependencies are the image's or above. Both
+    # checked against transformers 5.17 on CPU: SFTTrainer trains a tiny Llama on pre-tokenized rows, and
+    # Liger patches a tiny Mistral (its kernels need triton, which CUDA torch brings)
+    Wheel("trl==1.16.0", "throughput.py's TRL SFTTrainer rows"),
+    Wheel("liger-kernel==0.8.5", "--liger rows: finetune's and TRL's use_liger_kernel"),
     # `pip install --no-build-isolation -e .` of the project needs setuptools (Python 3.12 venvs lack it)
     Wheel("setuptools==80.9.0", "building the project offline"),
 )
