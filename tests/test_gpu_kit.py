@@ -284,7 +284,7 @@ def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
     """The SFTConfig each TRL row runs with, built without a GPU (transformers is told bf16 is
     available, as on the H100): micro batch, no accumulation, bf16, non-reentrant checkpointing,
     fused AdamW, whole rows of --seq-len, and use_liger_kernel per row."""
-    pytest.importorskip("trl", reason="trl is bench-only: pip install trl==1.16.0 (constraints.txt)")
+    pytest.importorskip("trl", reason="trl comes with the test extra: pip install -c constraints.txt -e .[test]")
     import baselines
     import transformers.training_args
 
@@ -302,7 +302,7 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
     """SFTTrainer keeps finetune's ids and labels (no retokenizing, truncating or packing) and the
     clock times every update: 2 updates of a 2-layer Llama on CPU (bf16 off: this CPU run checks the
     data path, not the speed)."""
-    pytest.importorskip("trl", reason="trl is bench-only: pip install trl==1.16.0 (constraints.txt)")
+    pytest.importorskip("trl", reason="trl comes with the test extra: pip install -c constraints.txt -e .[test]")
     import baselines
     import transformers.training_args
 
