@@ -17,8 +17,8 @@ most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointin
 Throughput = tokens the model reads (padding excluded) / seconds spent in optimizer updates after
 `--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
 update done (finetune's loop clock; `on_step_begin` → `on_step_end` for the Trainers), on two clocks:
-wall time, and the process's CPU time (finetune: `process_cpu_seconds` of its metrics.jsonl lines),
-which a shared machine's load disturbs far less. Each tool runs once per round; the table gives
+wall time, and the process's CPU time over the same span (finetune: `seconds` and `cpu_seconds` of
+its metrics.jsonl lines), which a shared machine's load disturbs far less. Each tool runs once per round; the table gives
 the median over rounds, the spread (min–max), and finetune's ratio to each tool on both clocks.
 Ratios of wall-clock medians from 2 rounds on a loaded machine are noise (bench/RESULTS.md).
 
@@ -60,9 +60,7 @@ def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[tuple[float, fl
     steps_ = [r for r in records if "loss" in r]
     tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps_, steps_)]  # cumulative → per update
     timed = list(zip(tokens, steps_))[warmup:]
-    seconds = sum(n / r["tokens_per_second"] for n, r in timed)
-    # process CPU time is cumulative per line: the timed updates span from the last untimed line on
-    cpu = steps_[-1]["process_cpu_seconds"] - steps_[warmup - 1]["process_cpu_seconds"] if warmup else float("nan")
+    seconds, cpu = sum(r["seconds"] for _, r in timed), sum(r["cpu_seconds"] for _, r in timed)
     read = sum(n for n, _ in timed)
     return (read / seconds, read / cpu), "python -m finetune (its metrics.jsonl)"
 

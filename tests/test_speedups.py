@@ -37,9 +37,9 @@ def test_compile_time_is_reported_apart_from_training_time(tmp_path):
     recorder = MetricsRecorder(main_process, tmp_path, max_steps=2, log_every=1)
     doubled_sine = torch.compile(lambda x: x.sin() * 2, backend="aot_eager")
     doubled_sine(torch.randn(4))  # compiles: Dynamo's capture and AOTAutograd
-    recorder.record_step(step=1, loss=1.0, lr=1e-3, grad_norm=None, tokens=100, seconds=9.0)
+    recorder.record_step(step=1, loss=1.0, lr=1e-3, grad_norm=None, tokens=100, seconds=9.0, cpu_seconds=9.0)
     doubled_sine(torch.randn(4))  # cached graph
-    recorder.record_step(step=2, loss=1.0, lr=1e-3, grad_norm=None, tokens=100, seconds=1.0)
+    recorder.record_step(step=2, loss=1.0, lr=1e-3, grad_norm=None, tokens=100, seconds=1.0, cpu_seconds=1.0)
     first, second = read_metrics(tmp_path / "metrics.jsonl")
     assert 0 < first["compile_seconds"] < 9.0 and second["compile_seconds"] == first["compile_seconds"]
     assert first["tokens_per_second"] == pytest.approx(100 / (9.0 - first["compile_seconds"]))

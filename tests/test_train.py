@@ -64,6 +64,9 @@ def test_short_run_saves_the_trained_weights(tmp_path, method):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4, 6]
     assert all(r["tokens_per_second"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 for r in steps)
+    # each update's own clocks, the span tokens/s is over: no compilation without --compile
+    assert all(0 < r["cpu_seconds"] and r["compile_seconds"] == 0 for r in steps)
+    assert summary["compile_seconds"] == 0
     assert (out / "loss_curve.png").stat().st_size > 1000
     assert parse_config(["--config", str(out / "run.yaml")]).method == method
 

@@ -78,7 +78,7 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
         if checkpointer is not None:  # after a resume: RNG as saved, once the iterator exists
             batches = checkpointer.with_rng_restored(batches)
         for window in accumulation_windows(batches, accumulation):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()  # the window in hand
             counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
             global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -105,6 +105,7 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens=int(global_inputs),
                 seconds=time.perf_counter() - started,
+                cpu_seconds=time.process_time() - cpu_started,
             )
             if evaluate is not None and eval_every and progress.step % eval_every == 0 and progress.step < max_steps:
                 metrics.record_eval(progress.step, evaluate())

@@ -46,7 +46,10 @@ class MetricsRecorder:
         if start_step and self.active:
             keep_records_before_resume(self.path, start_step)
 
-    def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float) -> None:
+    def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float,
+                    cpu_seconds: float) -> None:
+        """One update: `seconds` and `cpu_seconds` (this process's CPU time, which a shared machine's
+        load disturbs far less) from its micro-batches in hand to the update done."""
         self.tokens += tokens
         compiled, self.compiled = self.compiled, compile_seconds()
         compiling = min(self.compiled - compiled, seconds)  # the first update of a compiled run, or a recompile
@@ -61,7 +64,7 @@ class MetricsRecorder:
             return
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                   "tokens_per_second": tokens_per_second, "compile_seconds": self.compile_seconds,
-                  "process_cpu_seconds": time.process_time(), **peak_memory_gib()}
+                  "seconds": seconds, "cpu_seconds": cpu_seconds, **peak_memory_gib()}
         self._write(record)
 
     def record_eval(self, step: int, result: dict) -> None:
