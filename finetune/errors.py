@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -69,13 +68,13 @@ def report(message: str) -> None:
     claim the message prints it, so eight ranks print one line, while a message only one rank meets
     is still printed."""
     tell_the_launcher(message)
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # <launcher's folder for this attempt>/<local rank>/error.json: the folder all its ranks share
         digest = hashlib.sha256(message.encode()).hexdigest()[:16]
-        claim = Path(tempfile.gettempdir()) / f"finetune-error-{os.getppid()}-{digest}"  # the launcher's pid
         try:
-            claim.touch(exist_ok=False)
+            (Path(error_file).parent.parent / f"finetune-error-{digest}").touch(exist_ok=False)
         except FileExistsError:
-            return  # another rank of this launcher printed it
+            return  # another rank of this launch printed it
         except OSError:
-            pass  # no writable temp dir: print it anyway
+            pass  # the folder is gone or read-only: print it anyway
     print(message, file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ def test_every_split_of_the_global_batch_gives_each_update_the_same_rows():
     (rank r takes every other micro-batch, as Accelerate shards a loader): the same 8 rows per update."""
     rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in LENGTHS], "index": list(range(len(LENGTHS)))})
     assert row_lengths(rows) == LENGTHS
+    assert row_lengths(rows.select([5, 0])) == [LENGTHS[5], LENGTHS[0]]  # a view's rows, not its table's
 
     def updates(batch: BatchShape) -> list[set[int]]:
         loader = train_dataloader(rows, batch, TrainConfig(seed=3), collate_fn_indices)

@@ -29,12 +29,12 @@ def test_auto_is_off_on_cpu_and_compilation_is_off_until_asked_for():
 def test_compile_time_is_reported_apart_from_training_time(tmp_path):
     """The update that compiles (the first of a --compile run) reports its compile seconds, and its
     tokens/s counts only the rest of its time; later updates add no compile time."""
-    from types import SimpleNamespace
-
+    from finetune.train.accelerator import build_accelerator
     from finetune.train.metrics import MetricsRecorder, read_metrics
+    from finetune.train.run import resolve
 
-    main_process = SimpleNamespace(is_main_process=True, log=lambda *args, **kwargs: None)
-    recorder = MetricsRecorder(main_process, tmp_path, max_steps=2, log_every=1)
+    run, _ = resolve(TrainConfig(output_dir=str(tmp_path)))
+    recorder = MetricsRecorder(build_accelerator(run), tmp_path, max_steps=2, log_every=1)
     doubled_sine = torch.compile(lambda x: x.sin() * 2, backend="aot_eager")
     doubled_sine(torch.randn(4))  # compiles: Dynamo's capture and AOTAutograd
     recorder.record_step(step=1, loss=1.0, lr=1e-3, grad_norm=None, tokens=100, seconds=9.0, cpu_seconds=9.0)

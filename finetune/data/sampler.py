@@ -41,8 +41,8 @@ class LengthGroupedSampler(Sampler[int]):
 
 
 def row_lengths(rows) -> list[int]:
-    """Tokens per row of a tokenized `datasets.Dataset`, read from its Arrow column without
-    materialising the ids in Python."""
+    """Tokens per row of a tokenized `datasets.Dataset` (a `select`ed view included), read from its
+    Arrow column without materialising the ids in Python."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(rows.data.column("input_ids")).to_pylist()
+    return pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()

@@ -132,7 +132,7 @@ def model_states(w: Workload) -> ModelStates:
     )
 
 
-def deepspeed_optimizer_bytes(pure_bf16: bool, states: int) -> int:
+def deepspeed_optimizer_bytes(pure_bf16: bool, states: float) -> float:
     """Bytes per trainable parameter that DeepSpeed's ZeRO optimizer holds beside a 16-bit module:
     a master copy of the weights, a flat copy of the gradient partition for the step, and the Adam
     states. fp32 all three (the "16 bytes per parameter" of its estimator, with the 16-bit gradient);

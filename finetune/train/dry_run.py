@@ -147,7 +147,7 @@ def built_states(run: ResolvedRun, built: Built | None = None) -> ModelStates:
     pure_bf16 = trains_pure_bf16(run.precision, run.config.method)
     if run.strategy.deepspeed and (run.precision.autocast or pure_bf16):
         e = run.precision.compute_bytes
-        states = built.optimizer_bytes // built.trainable_bytes  # Adam states per trainable weight
+        states = built.optimizer_bytes / built.trainable_bytes  # optimizer-state bytes per trainable weight byte
         return ModelStates(frozen=built.frozen_float_numel * e + built.frozen_other_bytes,
                            quant_constants=built.buffer_bytes, trainable=built.trainable_numel * e,
                            gradients=built.trainable_numel * e,
