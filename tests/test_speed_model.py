@@ -57,7 +57,7 @@ def test_liger_term_reproduces_the_measured_speedup_pairs():
 
 
 def test_refitting_the_committed_measurements_gives_the_committed_coefficients():
-    pytest.importorskip("scipy")
+    pytest.importorskip("scipy", reason="scipy comes with the test extra: pip install -c constraints.txt -e .[test]")
     refit = speed_fit.fit(speed_fit.speed_rows(ROWS))
     assert astuple(refit) == pytest.approx(astuple(CALIBRATION), rel=0.05)
 
