@@ -14,12 +14,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO, tiny_model
+from helpers import REPO, tiny_model, word_rows, word_run_model, write_jsonl
 
 KIT = REPO / "bench/gpu"
 sys.path.insert(0, str(KIT))
 
 import memory  # noqa: E402
+from forked import RowRunner  # noqa: E402
+
+from finetune.train.metrics import read_metrics  # noqa: E402
 import wheels  # noqa: E402
 
 
@@ -145,9 +148,56 @@ def test_run_sh_installs_and_stops_before_cuda(tmp_path):
 
 def test_time_guard_lists_rows_it_cannot_finish_without_running_or_predicting(tmp_path):
     rows = memory.grid(["llama-3.2-1b"], ["lora"])[:3]
-    results = memory.run_grid(rows, "H100-80GB", 79.6, tmp_path, deadline=time.time() + 5, dry_run=False)
+    results = memory.run_grid(rows, "H100-80GB", 79.6, tmp_path, deadline=time.time() + 5, dry_run=False, runner=RowRunner())
     assert [r["status"] for r in results] == ["not run: time"] * 3
     assert not any("predicted_allocated_gib" in r for r in results) and not (tmp_path / "runs").exists()
+
+
+def row_flags(model: Path, data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """A grid row's kind of flags, at a size CPU trains in a second."""
+    return ["--model", str(model), "--dataset", str(data), "--format", "text", "--method", "lora", "--precision", "fp32",
+            "--micro-batch-size", "2", "--max-seq-len", "32", "--max-steps", "3", "--log-every", "1", "--eval-split", "0.1",
+            "--max-eval-examples", "1", "--no-save-final", "--num-samples", "0", "--output-dir", str(output_dir), *extra]
+
+
+def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
+    """Rows forked from the preloaded server: each trains and writes its metrics and log; a row with a
+    bad flag reports finetune's one-line error and exit code; one past its time is killed."""
+    model, data = word_run_model(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
+    runner = RowRunner()
+    for name in ("first", "second"):
+        out = tmp_path / name
+        out.mkdir()
+        assert runner.run(["-m", "finetune", *row_flags(model, data, out)], out / "run.log", timeout_s=120)["status"] == "ok"
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+        assert "eval loss" in (out / "run.log").read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    failed = runner.run(["-m", "finetune", *row_flags(model, data, bad, "--micro-batch-size", "0")], bad / "run.log", timeout_s=120)
+    assert failed["status"] == "exit 2" and failed["error"] == "finetune train: error: Invalid configuration:"
+    assert "--micro-batch-size must be ≥ 1" in (bad / "run.log").read_text()
+    code = runner.run(["-c", "import sys; print('args', sys.argv[1:])", "a", "b"], tmp_path / "code.log", timeout_s=60)
+    assert code["status"] == "ok" and "args ['a', 'b']" in (tmp_path / "code.log").read_text()
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    assert runner.run(["-m", "finetune", *row_flags(model, data, slow, "--max-steps", "100000")], slow / "run.log",
+                      timeout_s=2)["status"] == "timeout"
+
+
+def test_a_row_that_cannot_use_cuda_after_fork_runs_as_a_subprocess(tmp_path, monkeypatch):
+    """Should the server have initialised CUDA after all, the row is run again as `python -m finetune`
+    and so are the rest."""
+    def cuda_broken_by_fork(self, python_args, log, timeout_s):
+        log.write_text("RuntimeError: CUDA error: initialization error\n")
+        return {"status": "exit 1", "seconds": 1.0}
+
+    monkeypatch.setattr(RowRunner, "run_forked", cuda_broken_by_fork)
+    runner = RowRunner()
+    # refused by finetune itself, in its own process
+    result = runner.run(["-m", "finetune", "--micro-batch-size", "0"], tmp_path / "run.log", timeout_s=60)
+    assert not runner.fork and result["status"] == "exit 2"
+    log = (tmp_path / "run.log").read_text()
+    assert "--micro-batch-size must be ≥ 1" in log and "CUDA" not in log
 
 
 def test_results_table_and_csv_compare_measured_with_planned(tmp_path):

@@ -20,10 +20,8 @@ import csv
 import json
 import os
 import random
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from forked import RowRunner  # noqa: E402
 
 from finetune.plan import gpus as gpu_catalog  # noqa: E402
 from finetune.models.catalog import get as catalog_model  # noqa: E402
@@ -48,10 +48,12 @@ VARIANTS = ((512, False, 1), (2048, False, 1), (512, False, 4), (2048, True, 4),
             (2048, True, 1), (512, True, 1), (2048, False, 4), (512, True, 4))
 STEPS = 4  # optimizer updates per row; the first is warm-up (allocator growth, kernel selection)
 DATA_ROWS = 64
-# Seconds a row costs (interpreter, imports, data, loading the weights from the page cache, moving
-# them to the GPU, the steps), fixed and per billion parameters: the time guard's first guess,
-# replaced by each model's measured time once it has run. Writing a shape's random-init
-# checkpoint once costs about WRITE_SECONDS_PER_B more, and 2 bytes per parameter of disk.
+# Seconds a row costs (data, loading the weights from the page cache, moving them to the GPU, the
+# steps; and, for a row as its own process, the interpreter and imports), fixed and per billion
+# parameters: the time guard's first guess, replaced by each model's measured time once it has run.
+# The fixed part was measured on subprocess rows (H100, 2026-11-25); forked rows should need less.
+# Writing a shape's random-init checkpoint once costs about WRITE_SECONDS_PER_B more, and 2 bytes
+# per parameter of disk.
 ROW_SECONDS_FIXED, ROW_SECONDS_PER_B, WRITE_SECONDS_PER_B = 25.0, 8.0, 4.0
 DEFAULT_WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "finetune-gpu-memory"  # also throughput.py's: checkpoints are reused
 
@@ -117,9 +119,9 @@ def write_text_data(path: Path, seq_len: int, rows: int = DATA_ROWS) -> Path:
     return path
 
 
-def random_checkpoint(model: str, cache: Path, timeout_s: float) -> Path:
+def random_checkpoint(model: str, cache: Path, timeout_s: float, runner: RowRunner | None = None) -> Path:
     """A random-init checkpoint of the catalog shape in bf16, built on the GPU in a child process
-    (this process stays without a CUDA context, so rows see the whole GPU)."""
+    (this process stays without a CUDA context, so rows see the whole GPU), forked where `runner` forks."""
     directory = cache / model
     if not (directory / "config.json").is_file():
         cache.mkdir(parents=True, exist_ok=True)
@@ -129,40 +131,20 @@ def random_checkpoint(model: str, cache: Path, timeout_s: float) -> Path:
         code = ("import sys, torch; from pathlib import Path; from finetune.models.loading import materialize_random_init; "
                 "from finetune.models.catalog import get; "
                 "materialize_random_init(get(sys.argv[1]), Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, device='cuda')")
-        subprocess.run([sys.executable, "-c", code, model, str(directory)], check=True, cwd=REPO, timeout=max(timeout_s, 1),
-                       env=os.environ | {"PYTHONPATH": str(REPO)})
+        written = (runner or RowRunner(fork=False)).run(["-c", code, model, str(directory)], cache / f"{model}.log", timeout_s)
+        if written["status"] != "ok":
+            raise OSError(f"writing the random-init {model} ended with {written['status']}: {written.get('error', '')}")
     return directory
 
 
-def measure(row: Row, model_dir: Path, data: Path, output_dir: Path, timeout_s: float) -> dict:
+def measure(row: Row, model_dir: Path, data: Path, output_dir: Path, timeout_s: float, runner: RowRunner) -> dict:
     """Run the trainer for the row; peaks and tokens/s from its metrics.jsonl, or why it failed."""
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
-    result = run_logged([sys.executable, "-m", "finetune", *row.train_flags(model_dir, data, output_dir)], output_dir, timeout_s)
+    result = runner.run(["-m", "finetune", *row.train_flags(model_dir, data, output_dir)], output_dir / "run.log", timeout_s)
     if result["status"] != "ok":
         return result
     return result | metrics_summary(output_dir)
-
-
-def run_logged(command: list[str], output_dir: Path, timeout_s: float) -> dict:
-    """Run `command` from the repository root with its output kept in output_dir/run.log, so a
-    failed row says why without flooding the kit's log: {"status": ok, exit N, timeout or OOM,
-    "seconds"} and, on failure, "error": its last error line."""
-    started = time.monotonic()
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout_s, 1), cwd=REPO,
-                                env=os.environ | {"PYTHONPATH": str(REPO)})
-        log, status = result.stdout + result.stderr, "ok" if result.returncode == 0 else f"exit {result.returncode}"
-    except subprocess.TimeoutExpired as e:
-        log, status = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
-    (output_dir / "run.log").write_text(log if isinstance(log, str) else log.decode(errors="replace"))
-    seconds = time.monotonic() - started
-    if status == "ok":
-        return {"status": status, "seconds": seconds}
-    if "out of memory" in str(log).lower():
-        status = "OOM"
-    errors = [line for line in str(log).splitlines() if re.search(r"Error|error:", line)]
-    return {"status": status, "seconds": seconds, "error": errors[-1][:300] if errors else ""}
 
 
 def metrics_summary(output_dir: Path) -> dict:
@@ -184,7 +166,8 @@ def row_estimate(row: Row, seen: dict[str, float]) -> float:
     return ROW_SECONDS_FIXED + (ROW_SECONDS_PER_B + WRITE_SECONDS_PER_B) * billions
 
 
-def run_grid(rows: list[Row], gpu: str, capacity_gib: float, work: Path, deadline: float | None, dry_run: bool) -> list[dict]:
+def run_grid(rows: list[Row], gpu: str, capacity_gib: float, work: Path, deadline: float | None, dry_run: bool,
+             runner: RowRunner) -> list[dict]:
     """Predict and measure the rows in order, skipping those the planner says do not fit. A row
     whose estimated time would end after the deadline is listed without a prediction (predicting
     costs seconds too); later, cheaper rows may still run."""
@@ -202,7 +185,7 @@ def run_grid(rows: list[Row], gpu: str, capacity_gib: float, work: Path, deadlin
             elif dry_run:
                 result |= {"status": "dry run", "command": " ".join(["python -m finetune", *row.train_flags(model_dir, data, output_dir)])}
             else:
-                result |= measured(row, work, data, output_dir, deadline)
+                result |= measured(row, work, data, output_dir, deadline, runner)
                 seconds_per_model[row.model] = time.monotonic() - started
         print(summary_line(result), flush=True)
         results.append(result)
@@ -216,14 +199,14 @@ def planned(plan: dict) -> dict:
             "predicted_device_gib": memory["device"], "predicted_tokens_per_second": plan["tokens_per_second"]}
 
 
-def measured(row: Row, work: Path, data: Path, output_dir: Path, deadline: float | None) -> dict:
+def measured(row: Row, work: Path, data: Path, output_dir: Path, deadline: float | None, runner: RowRunner) -> dict:
     """Write the row's data and checkpoint if needed, run it, and compare with the prediction."""
     write_text_data(data, row.seq_len)
     try:
-        checkpoint = random_checkpoint(row.model, work / "random-init", (deadline - time.time()) if deadline else 3600.0)
-    except (OSError, subprocess.SubprocessError) as e:
+        checkpoint = random_checkpoint(row.model, work / "random-init", (deadline - time.time()) if deadline else 3600.0, runner)
+    except OSError as e:
         return {"status": f"no checkpoint: {type(e).__name__}", "error": str(e)[:300]}
-    return measure(row, checkpoint, data, output_dir, timeout_s=(deadline - time.time()) if deadline else 3600.0)
+    return measure(row, checkpoint, data, output_dir, (deadline - time.time()) if deadline else 3600.0, runner)
 
 
 def summary_line(r: dict) -> str:
@@ -297,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--limit", type=int, help="only the first N rows of the grid")
+    parser.add_argument("--no-fork", action="store_true",
+                        help="each row as its own `python -m finetune` (as users run it) instead of forked from a preloaded server")
     args = parser.parse_args(argv)
     if args.dry_run and args.gpu is None:
         args.gpu = "H100-80GB"
@@ -305,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or DEFAULT_WORK
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(rows)} rows on {device}", flush=True)
-    results = run_grid(rows, gpu, capacity, work, args.deadline, args.dry_run)
+    results = run_grid(rows, gpu, capacity, work, args.deadline, args.dry_run, RowRunner(fork=not args.no_fork))
     command = "python bench/gpu/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"GPU memory and speed, measured vs planned: {device}; {started}; `{command}`; {STEPS} updates per row "
               f"(tokens/s: median after the first), random-init weights, text rows of exactly seq tokens. "

@@ -13,7 +13,8 @@
 #   6. bench/gpu/throughput.py (KIT_STEPS=throughput): finetune ± Liger/compile vs TRL SFTTrainer ± Liger
 #      vs a bare PEFT loop on a random-init Mistral-7B, compiled rows last, until the deadline
 #                                                                  → $OUT/throughput.csv, throughput-*.log
-#   7. bench/gpu/memory.py until the deadline                      → $OUT/memory.md, memory.csv
+#   7. bench/gpu/memory.py until the deadline, rows forked from a preloaded server (forked.py)
+#                                                                  → $OUT/memory.md, memory.csv
 # Knobs: KIT_SECONDS (total budget, default 570), KIT_TEST_SECONDS (cap for step 4, default 300),
 # KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init checkpoints, caches; default /tmp/finetune-gpukit,
 # reused by a second command on the same machine),

@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 KIT = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(KIT)]
 
-import memory  # noqa: E402  (the kit's random-init checkpoints, text rows and row runner)
+import memory  # noqa: E402  (the kit's random-init checkpoints, text rows and metrics reading)
+from forked import run_logged  # noqa: E402
 from finetune.models import catalog  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.speed import estimate_speed  # noqa: E402
@@ -137,7 +138,7 @@ def measure(row: Row, args: argparse.Namespace, timeout_s: float) -> dict:
     out = run_dir(row, args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").unlink(missing_ok=True)
-    result = memory.run_logged(row_command(row, args), out, timeout_s)
+    result = run_logged(row_command(row, args), out / "run.log", timeout_s)
     shutil.copy(out / "run.log", args.out / f"{out.name}.log")  # --work is scratch; the logs go back with the table
     if result["status"] != "ok":
         return result
