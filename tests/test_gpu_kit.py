@@ -231,7 +231,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     checkpoint = tmp_path / "random-init/mistral-7b"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
-    assert len(lines) == 2 * len(throughput.ROWS) == 14
+    assert len(lines) == 2 * len(throughput.ROWS) == 16
     for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
         assert line[:36].strip() == row.name and command.startswith("      $ ")
         argv = shlex.split(command.removeprefix("      $ "))
@@ -241,6 +241,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
             assert (config.model, config.dataset, config.method) == (str(checkpoint), str(tmp_path / "data-4096.jsonl"), "qlora")
             assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
                     config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
+            assert config.chunked_loss in ((None, True) if row.chunked_loss else (False,))
         else:
             assert "not planned" in line and argv[1] == str(KIT / "baselines.py")
             parsed = baselines.parse_args(argv[2:])

@@ -294,10 +294,10 @@ def test_hub_id_whose_config_is_in_the_local_cache_is_planned(tmp_path):
 
 
 def test_speed_switches_are_planned_and_pinned_in_the_launch_command(capsys):
-    """`finetune plan --liger --compile`: Liger's fused loss holds no full-vocabulary logits and
-    runs the GPU faster (a GPU-bound 7B shape), compiled blocks cut the per-layer issue time (an
-    issue-bound 1B shape); the launch command and the plan command carry the flags, so the run is
-    the one planned."""
+    """`finetune plan --liger --compile --no-chunked-loss`: the chunked loss (on by default) and Liger's
+    fused loss hold no full-vocabulary logits, and Liger runs the GPU faster (a GPU-bound 7B shape),
+    compiled blocks cut the per-layer issue time (an issue-bound 1B shape); the launch command and
+    the plan command carry the flags, so the run is the one planned."""
     def planned(model: str, seq_len: int, micro_batch: int, *flags: str) -> dict:
         argv = ["plan", "--model", model, "--gpus", "1xH100", "--method", "lora", "--seq-len", str(seq_len),
                 "--micro-batch-size", str(micro_batch), "--gradient-checkpointing", "--json", *flags]
@@ -306,10 +306,16 @@ def test_speed_switches_are_planned_and_pinned_in_the_launch_command(capsys):
         return result["plans"][result["recommended"]]
 
     plain, liger = planned("mistral-7b", 4096, 2), planned("mistral-7b", 4096, 2, "--liger")
+    logits = planned("mistral-7b", 4096, 2, "--no-chunked-loss")
     assert (plain["liger"], liger["liger"]) == (False, True)
-    assert liger["memory_per_gpu_gib"]["activations"] < plain["memory_per_gpu_gib"]["activations"]
+    assert (plain["chunked_loss"], liger["chunked_loss"], logits["chunked_loss"]) == (True, False, False)
+    activations = {name: p["memory_per_gpu_gib"]["activations"] for name, p in (("plain", plain), ("liger", liger),
+                                                                                   ("logits", logits))}
+    assert activations["liger"] <= activations["plain"] < activations["logits"]
     assert liger["tokens_per_second"] > plain["tokens_per_second"]
     assert "--liger" in liger["launch_command"].split() and "--liger" not in plain["launch_command"].split()
+    assert "--no-chunked-loss" in logits["launch_command"].split()
+    assert "chunked-loss" not in plain["launch_command"] + liger["launch_command"]
     eager, compiled = planned("llama-3.2-1b", 512, 1), planned("llama-3.2-1b", 512, 1, "--compile")
     assert (eager["compile"], compiled["compile"]) == (False, True)
     assert compiled["memory_per_gpu_gib"] == eager["memory_per_gpu_gib"]

@@ -50,7 +50,7 @@ def test_a_switch_that_cannot_apply_says_so_in_one_line_and_the_run_goes_on():
     said = []
     model = apply_speedups(tiny_model(), TrainConfig(liger=True), cuda=False, say=said.append)
     assert said[0] == "--liger: Liger's Triton kernels need a CUDA GPU; running without"
-    assert said[-1] == "speed switches: liger off, compile off, attention sdpa"
+    assert said[-1] == "speed switches: liger off, chunked loss on, compile off, attention sdpa"  # standing in for Liger's loss
     assert model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.isfinite()
     chosen = choose_speedups(TrainConfig(attention="flash"), cuda=True, model_type="llama")
     assert chosen.attention == "sdpa" and chosen.notes == ("--attention flash: flash-attn is not installed; using sdpa",)

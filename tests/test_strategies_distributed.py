@@ -32,6 +32,7 @@ REHEARSALS = {
     "multi_node": ("multi_node.yaml", []),  # rehearsed as one machine
     "fsdp": ("fsdp.yaml", []),
     "fsdp_offload": ("fsdp_offload.yaml", []),
+    "fsdp_chunked_loss": ("fsdp.yaml", ["--chunked-loss"]),  # the head's gradient gathered and scattered back
     "zero1": ("deepspeed_zero1.yaml", []),
     "zero2": ("deepspeed_zero2.yaml", []),
     "zero3": ("deepspeed_zero3.yaml", []),
@@ -44,7 +45,7 @@ REHEARSALS = {
 }
 ONE, TWO = "on cpu, 1 process(es)", "on cpu, 2 process(es)"
 STRATEGY = {"single": f"single device {ONE}", "ddp": f"DDP {TWO}", "multi_node": f"DDP {TWO}",
-            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
+            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_chunked_loss": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
             "fsdp_qlora": f"FSDP2 {TWO}", "zero1": f"ZeRO-1 {TWO}", "zero2": f"ZeRO-2 {TWO}",
             "zero2_offload_json": f"ZeRO-2 {TWO}", "zero3": f"ZeRO-3 {TWO}", "zero3_offload": f"ZeRO-3 {TWO}",
             "zero3_lora": f"ZeRO-3 {TWO}", "zero3_qlora": f"ZeRO-3 {TWO}"}

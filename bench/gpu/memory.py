@@ -82,7 +82,7 @@ class Row:
                 "--max-seq-len", str(self.seq_len),
                 "--gradient-checkpointing" if self.gradient_checkpointing else "--no-gradient-checkpointing",
                 "--optimizer", "adamw", "--lora-r", "16", "--lora-targets", "all-linear",
-                "--no-liger", "--no-compile",  # the eager, unfused path: what plans count for unset switches
+                "--no-liger", "--no-compile",  # eager and unfused, as plans count unset switches (the chunked loss as resolved)
                 "--dataset", str(data), "--format", "text", "--eval-split", "0.05", "--max-eval-examples", "1",
                 "--max-steps", str(steps), "--warmup-steps", "0", "--lr-schedule", "constant", "--log-every", "1",
                 "--no-save-final", "--num-samples", "0", "--seed", "0", "--output-dir", str(output_dir)]

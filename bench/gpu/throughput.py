@@ -57,6 +57,7 @@ class Row:
     program: str  # "finetune", "trl" or "peft-loop"
     liger: bool = False
     compile: bool = False
+    chunked_loss: bool = True  # finetune's default for LoRA/QLoRA; off: the model's own loss, as on 2026-11-25
 
 
 # In the order worth measuring when --deadline cuts the run short: the eager comparison first, the
@@ -64,6 +65,7 @@ class Row:
 ROWS = (
     Row("finetune", "finetune"),
     Row("finetune --liger", "finetune", liger=True),
+    Row("finetune --no-chunked-loss", "finetune", chunked_loss=False),
     Row("TRL SFTTrainer", "trl"),
     Row("TRL SFTTrainer use_liger_kernel", "trl", liger=True),
     Row("bare PEFT loop, fused AdamW", "peft-loop"),
@@ -79,7 +81,8 @@ def planned(row: Row, args: argparse.Namespace) -> float | None:
     w = Workload(model=catalog.get(args.model), gpu=gpus.get(args.gpu), gpus_per_node=1, method=args.method,
                  strategy="single", offload="none", precision="bf16-true", optimizer="adamw",
                  micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, gradient_checkpointing=True,
-                 loss="liger" if row.liger else "transformers", compile=row.compile, fused_optimizer=True)
+                 loss="liger" if row.liger else "finetune-chunked" if row.chunked_loss else "transformers",
+                 compile=row.compile, fused_optimizer=True)
     return estimate_speed(w).tokens_per_second
 
 
@@ -107,6 +110,7 @@ def row_command(row: Row, args: argparse.Namespace) -> list[str]:
             "--gradient-accumulation-steps", "1", "--lora-r", "16", "--lora-targets", "all-linear", "--optimizer", "adamw",
             "--log-every", "1", "--max-eval-examples", "0", "--num-samples", "0", "--no-save-final",
             "--liger" if row.liger else "--no-liger", "--compile" if row.compile else "--no-compile",
+            *([] if row.chunked_loss else ["--no-chunked-loss"]),
             "--output-dir", str(run_dir(row, args))]
 
 

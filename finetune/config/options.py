@@ -48,6 +48,7 @@ class TrainConfig:
     lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     liger: bool | None = _field(None, "Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy without full-vocabulary logits); unset: on for CUDA when liger-kernel is installed, off on CPU.")
+    chunked_loss: bool | None = _field(None, "Loss through the LM head a chunk of tokens at a time, never holding the full-vocabulary logits (as TRL's fused LM head and axolotl's chunked cross-entropy); unset: on for LoRA and QLoRA, except where Liger's fused loss runs, under ZeRO-3, and for architectures it does not cover (llama, mistral, qwen2 are).")
     compile: bool | None = _field(None, "Regional compilation: torch.compile each decoder block in place (compile time reported apart from tokens/s, kernels cached in ~/.cache/finetune/inductor); off unless given until measured on a GPU.")
     attention: str = _field("auto", "Attention kernel: sdpa, flex (packed rows as a document mask, no dense mask), flash (needs flash-attn); auto: flex when packing on a GPU, else sdpa.", ATTENTIONS)
     trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")

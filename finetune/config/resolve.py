@@ -21,7 +21,8 @@ from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
-from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
+from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
+                                   uses_chunked_loss, zero_strategy)
 
 # how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
 LAUNCH_DEEPSPEED = "accelerate config (deepspeed_config section; delete a key there to let finetune set it)"
@@ -169,6 +170,13 @@ class ResolvedRun:
     @property
     def world_size(self) -> int:
         return self.batch.world_size
+
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether the loss goes through the LM head in chunks (names.uses_chunked_loss)."""
+        config = self.config
+        return uses_chunked_loss(config.chunked_loss, config.liger, self.strategy,
+                                 self.spec.model_type if self.spec is not None else None, config.method, config.lora_targets)
 
     def with_max_steps(self, max_steps: int) -> ResolvedRun:
         return replace(self, max_steps=max_steps)

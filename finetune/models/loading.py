@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from finetune.models import gguf_import
 from finetune.models import source as model_source
 from finetune.models import catalog
+from finetune.models import chunked_loss
 from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
 from finetune.config.resolve import ResolvedRun
@@ -155,6 +156,9 @@ def build_skeleton(run: ResolvedRun):
         # bitsandbytes builds its code tables from real values on first use: once, outside fake mode
         quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
     model = prepare_for_training(model, run.config)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if run.chunked_loss and chunked_loss.unsupported(base) is None:  # as train.speedups installs it
+        chunked_loss.install(base)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         give_fake_storage(model)

@@ -17,7 +17,7 @@ from finetune.plan.memory import GIB, Breakdown, estimate
 from finetune.plan.speed import Speed, estimate_speed
 from finetune.plan.workload import Workload
 from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
-                                   Precision, Strategy, check_precision, default_precision, named)
+                                   Precision, Strategy, check_precision, default_precision, named, uses_chunked_loss)
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64
@@ -50,6 +50,7 @@ class Request:
     tokens: float | None = None  # training tokens, for hours and cost
     host_memory_gib: float | None = None  # host RAM per node; None: what the GPU's usual instance has
     liger: bool = False  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock
+    chunked_loss: bool | None = None  # the loss through the LM head in chunks; unset: where the trainer turns it on
     compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
 
     def __post_init__(self) -> None:
@@ -174,9 +175,17 @@ def candidates(request: Request) -> list[Workload]:
                     gradient_checkpointing=bool(request.gradient_checkpointing),
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
-                    loss="liger" if request.liger else "transformers", compile=request.compile,
+                    loss=loss_kind(request, strategy, method), compile=request.compile,
                 ))
     return workloads
+
+
+def loss_kind(request: Request, strategy: Strategy, method: str) -> str:
+    """How the planned run holds the loss (memory.LOSS_BYTES_PER_VOCAB), as the trainer will decide it."""
+    if request.liger:
+        return "liger"
+    chunked = uses_chunked_loss(request.chunked_loss, False, strategy, request.model.model_type, method, request.lora_targets)
+    return "finetune-chunked" if chunked else "transformers"
 
 
 def fits(w: Workload) -> bool:

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: only when needed to fit")
     parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock); default off")
+    parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the loss through the LM head in chunks (no full-vocabulary logits); default: as "
+                        "the trainer decides it (on for LoRA/QLoRA, not with --liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config.names import uses_chunked_loss
 from finetune.plan.choose import Plan
 from finetune.plan.memory import DS_BUCKET_ELEMENTS
 from finetune.plan.workload import Workload
@@ -119,8 +120,11 @@ def train_flags(w: Workload) -> list[str]:
 
 
 def speed_flags(w: Workload) -> list[str]:
-    """The speed switches the plan counted on (each changes its memory or speed terms)."""
-    return ["--liger"] * (w.loss == "liger") + ["--compile"] * w.compile
+    """The speed switches the plan counted on (each changes its memory or speed terms); the chunked
+    loss only when the plan left it off where the trainer would turn it on."""
+    chunked_by_default = uses_chunked_loss(None, False, w.strategy, w.model.model_type, w.method, w.lora_targets)
+    return (["--liger"] * (w.loss == "liger") + ["--no-chunked-loss"] * (w.loss == "transformers" and chunked_by_default)
+            + ["--compile"] * w.compile)
 
 
 def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR, flags: list[str] | None = None) -> str:

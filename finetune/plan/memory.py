@@ -264,7 +264,35 @@ LOSS_BYTES_PER_VOCAB = {
     # Liger's fused linear cross-entropy (--liger): LM head, loss and gradient chunk by chunk,
     # never the full-vocabulary logits
     "liger": lambda logits: 0,
+    # finetune's chunked loss (--chunked-loss, models/chunked_loss.py): the same, in plain torch; it
+    # keeps the gradient of the head's input instead (LOSS_SCRATCH_PER_HIDDEN) and one chunk's
+    # logits at a time (chunk_scratch_bytes)
+    "finetune-chunked": lambda logits: 0,
 }
+
+# Tokens per chunk of the chunked loss: a chunk's fp32 logits stay near 128 MiB whatever the vocabulary.
+CHUNK_LOGITS = 2**25
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    return max(1, CHUNK_LOGITS // vocab_size)
+
+
+def chunk_scratch_bytes(w: Workload) -> float:
+    """The chunked loss's scratch beside the saved activations while it runs (models/chunked_loss.py,
+    measured with MemTracker): one chunk's fp32 logits, worked on in place, beside the 16-bit matmul
+    output they were copied from or the 16-bit gradient made from them. When the head trains, its
+    fp32 gradient is kept from the forward to backward, and each chunk's contribution passes through
+    a 16-bit and an fp32 copy of the head's size, beside the chunk's 16-bit gradient."""
+    if w.loss != "finetune-chunked":
+        return 0.0
+    spec, e = w.model, w.precision.compute_bytes
+    chunk = min(chunk_tokens(spec.vocab_size), w.tokens_per_micro_batch) * spec.vocab_size
+    logits = chunk * (4 + (e if e < 4 else 0))
+    if w.method != "full":
+        return logits
+    head = spec.vocab_size * spec.hidden_size
+    return 4 * head + max(logits, head * (e + 4 if e < 4 else 4) + chunk * e)
 
 
 # Scratch beside the saved activations while backward starts at the loss: gradients of the
@@ -272,8 +300,8 @@ LOSS_BYTES_PER_VOCAB = {
 # 1-layer Llama shapes leaves 0-5 once the loss holds 12 bytes per vocabulary entry).
 LOSS_SCRATCH_PER_HIDDEN = 4
 # Scratch while backward runs through a decoder layer (gradients of its activations), as a
-# fraction of that layer's saved activations. The loss phase dominates for every catalogued
-# vocabulary; this matters for small-vocabulary models only.
+# fraction of that layer's saved activations. The loss phase dominates when the logits are held;
+# with a chunked or fused loss this phase often sets the peak.
 LAYER_SCRATCH = 0.6
 
 
@@ -289,8 +317,12 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     kept = spec.num_layers * (spec.hidden_size * residual_bytes(w) if w.gradient_checkpointing else layer)
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size
     in_layer = (layer if w.gradient_checkpointing else 0.0) + LAYER_SCRATCH * layer
+    if w.strategy.fsdp and w.method != "full" and not w.gradient_checkpointing:
+        # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
+        # released the last layer's saved activations (FSDPMemTracker, tests/test_planner_simulate.py)
+        in_layer -= layer
     copies = autocast_weight_copies(w)
-    return tokens * (kept + at_loss) + copies, tokens * (kept + in_layer) + copies
+    return tokens * (kept + at_loss) + copies + chunk_scratch_bytes(w), tokens * (kept + in_layer) + copies
 
 
 def autocast_weight_copies(w: Workload) -> float:

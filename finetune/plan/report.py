@@ -25,6 +25,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
         "liger": w.loss == "liger",
+        "chunked_loss": w.loss == "finetune-chunked",
         "compile": w.compile,
         "fits": p.fits,
         "fits_device": p.fits_device,

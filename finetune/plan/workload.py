@@ -96,7 +96,8 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         gradient_checkpointing=config.gradient_checkpointing, lora_r=config.lora_r, lora_targets=config.lora_targets,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps, lora_dropout=config.lora_dropout,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
-        # switches left unset resolve on the device (train.speedups); plan them as off, which
-        # keeps the logits in the memory estimate
-        loss="liger" if config.liger else "transformers", compile=bool(config.compile),
+        # switches left unset resolve on the device (train.speedups); plan Liger and compilation as
+        # off, and the chunked loss as the run resolves it
+        loss="liger" if config.liger else "finetune-chunked" if run.chunked_loss else "transformers",
+        compile=bool(config.compile),
     )

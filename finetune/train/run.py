@@ -133,7 +133,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
         model = loading.load_model(run, accelerator.device)
     if config.packing:
         loading.check_packing_support(model)
-    model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print)
+    model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
 
     collator = Collator(tokenizer)
     train_loader = train_dataloader(data.train, run.batch, config, collator)

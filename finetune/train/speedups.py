@@ -1,12 +1,15 @@
-"""Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, regional
-compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
+"""Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
+loss, regional compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
 architecture Liger does not cover, a package not installed) says so in one line and the run goes on
 without it; numerically each is the plain path (tests/test_speedups.py on CPU).
 
 A switch is on by default only where a GPU run measured it faster: Liger (on CUDA, when installed:
 TRL SFTTrainer ran 1.20× faster with it on an H100, bench/RESULTS.md) and flex attention for packed
-rows on a GPU (no dense mask to build). Compilation is off unless asked for until the GPU kit
-(bench/gpu/throughput.py) has measured it; its time is reported apart from training time.
+rows on a GPU (no dense mask to build). The chunked loss is on by default for what it saves
+(the full-vocabulary logits: 2.2 GiB of the 7B QLoRA run where TRL held less than finetune,
+bench/RESULTS.md); Liger's fused loss replaces it where Liger runs. Compilation is off unless asked
+for until the GPU kit (bench/gpu/throughput.py) has measured it; its time is reported apart from
+training time.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.config.names import STRATEGIES, Strategy, chunked_loss_blocked, uses_chunked_loss
 from finetune.config.options import TrainConfig
+from finetune.models import chunked_loss
 
 
 @dataclass(frozen=True)
@@ -76,22 +81,40 @@ def liger_function(model_type: str) -> Callable | None:
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2"}
 
 
-def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None]) -> torch.nn.Module:
-    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in place."""
+def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None],
+                   strategy: Strategy = STRATEGIES["single"]) -> torch.nn.Module:
+    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in
+    place, and the chunked loss where names.uses_chunked_loss puts it, given whether Liger really runs."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     chosen = choose_speedups(config, cuda, base.config.model_type)
     for note in chosen.notes:
         say(note)
     if chosen.liger:  # RMSNorm, RoPE, SwiGLU modules of this instance; the CausalLM forward's fused loss
         liger_function(base.config.model_type)(model=base)
+    chunked = use_chunked_loss(base, config, chosen.liger, strategy, say)
     if chosen.attention != "sdpa":
         base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
     if chosen.compile:
         os.environ.setdefault(INDUCTOR_CACHE_VARIABLE, str(inductor_cache()))
         compile_blocks(model)
-    say(f"speed switches: liger {'on' if chosen.liger else 'off'}, compile {'on' if chosen.compile else 'off'}, "
-        f"attention {chosen.attention}")
+    say(f"speed switches: liger {'on' if chosen.liger else 'off'}, chunked loss {'on' if chunked else 'off'}, "
+        f"compile {'on' if chosen.compile else 'off'}, attention {chosen.attention}")
     return model
+
+
+def use_chunked_loss(base: torch.nn.Module, config: TrainConfig, liger: bool, strategy: Strategy,
+                     say: Callable[[str], None]) -> bool:
+    """Install the chunked loss on `base` where it runs; say why not when it was asked for. Where a
+    requested Liger cannot run, the chunked loss stands in for its fused loss (the plan counted no logits)."""
+    model_type, method, targets = base.config.model_type, config.method, config.lora_targets
+    asked = True if config.chunked_loss is None and config.liger else config.chunked_loss
+    why_not = chunked_loss_blocked(liger, strategy, model_type, method, targets) or chunked_loss.unsupported(base)
+    if config.chunked_loss and why_not:
+        say(f"--chunked-loss: {why_not}; using the model's own loss")
+    if why_not or not uses_chunked_loss(asked, liger, strategy, model_type, method, targets):
+        return False
+    chunked_loss.install(base)
+    return True
 
 
 # Inductor's compiled kernels: in ~/.cache (not /tmp, which reboots clear), so later runs of the same

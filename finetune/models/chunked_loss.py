@@ -1,0 +1,125 @@
+"""The training loss through the LM head in chunks of tokens, never holding the full-vocabulary logits.
+
+A causal LM's loss holds 12 bytes per vocabulary entry per token at the start of backward (the
+logits, fp32 log-softmax and its gradient, the logits' gradient; plan/memory.py). At seq 4096 and
+micro batch 4 that is 5.9 GiB for a 32k vocabulary and 23 GiB for Llama 3's 128k, more than the
+rest of a QLoRA step. Here the head runs on a chunk of tokens at a time: logits, loss and the
+gradients of the hidden states and the head weight are computed chunk by chunk in the forward
+(where the loss is a plain sum, its gradient needs nothing from later), and backward only scales
+them. TRL's fused LM head and Liger's fused linear cross-entropy do the same; this one is plain
+torch, so it also runs on CPU and wherever Liger is not installed.
+
+`install` patches the instance's forward: called with `labels`, it runs the backbone and returns
+the loss (no logits); without labels (evaluation, generation) it is the model's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, IGNORE_INDEX
+from finetune.plan.memory import chunk_tokens
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the chunked loss cannot replace this model's own, or None (the architectures are those of
+    names.CHUNKED_LOSS_ARCHITECTURES; this checks the loaded head itself)."""
+    if model.config.model_type not in CHUNKED_LOSS_ARCHITECTURES:
+        return f"model type {model.config.model_type!r} is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}"
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return "its LM head is not a plain linear layer"
+    return None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route `model(..., labels=...)` through the chunked loss (model: the transformers CausalLM,
+    not its PEFT wrapper, whose forward calls this one)."""
+    own_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
+    def forward(*args, labels=None, num_items_in_batch=None, **kwargs):
+        if labels is None:
+            extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+            return own_forward(*args, **kwargs, **extra)
+        backbone = getattr(model, model.base_model_prefix)(*args, **kwargs)
+        loss = chunked_cross_entropy(backbone.last_hidden_state, model.get_output_embeddings().weight, labels,
+                                     num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = forward
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                          num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """What transformers' causal-LM loss gives for `head(hidden)` and `labels` (shifted by one,
+    IGNORE_INDEX skipped; the sum over `num_items_in_batch` when given, else the mean), with the
+    head computed in the dtype the model's own forward would use (autocast's, else the weight's)."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
+    targets = labels[:, 1:].reshape(-1)
+    inputs = hidden[:, :-1].reshape(-1, hidden.size(-1)).to(dtype)
+    if isinstance(head_weight, DTensor):  # FSDP2 between its root's gathers: gather it (its gradient is scattered back)
+        head_weight = head_weight.full_tensor()
+    weight = head_weight.to(dtype)
+    grads = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
+    with torch.autocast(device, enabled=False):
+        total = _ChunkedCrossEntropy.apply(inputs, weight, targets, chunk_tokens(weight.size(0)), grads)
+    count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
+    return total / count
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum of token losses of `inputs @ weight.T` against `targets`, `chunk` tokens at a time; the
+    gradients are computed alongside (when `grads`) and kept, instead of the logits."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, targets, chunk, grads):
+        want_inputs, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        grad_inputs = torch.zeros_like(inputs) if want_inputs else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, inputs.size(0), chunk):
+            end = min(start + chunk, inputs.size(0))
+            total += _chunk(inputs[start:end], weight, targets[start:end],
+                            grad_inputs[start:end] if want_inputs else None, grad_weight)
+        ctx.save_for_backward(grad_inputs, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        # scaled in place: the graph is freed after this backward (the loop never retains it), and a
+        # copy of the head's fp32 gradient would double its memory
+        grad_inputs, grad_weight = ctx.saved_tensors
+        return (None if grad_inputs is None else grad_inputs.mul_(grad_total.to(grad_inputs.dtype)),
+                None if grad_weight is None else grad_weight.mul_(grad_total).to(ctx.weight_dtype), None, None, None)
+
+
+def _chunk(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_rows: torch.Tensor | None,
+           grad_weight: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's summed token loss; its gradients written into `grad_rows` and added to
+    `grad_weight` where given. A function of its own so that the chunk's logits are gone before the
+    next chunk's are made."""
+    kept = targets != IGNORE_INDEX
+    picked = targets.clamp(min=0).unsqueeze(1)
+    # one fp32 copy of the logits, worked on in place: exp(logits − max), then the softmax's gradient
+    logits = (rows @ weight.T).float()
+    picked_logit = logits.gather(1, picked).squeeze(1)
+    largest = logits.amax(dim=1, keepdim=True)
+    sums = logits.sub_(largest).exp_().sum(dim=1, keepdim=True)
+    loss = ((sums.log() + largest).squeeze(1) - picked_logit).mul(kept).sum()
+    if grad_rows is None and grad_weight is None:
+        return loss
+    # d(loss)/d(logits) = softmax − one-hot, zero for ignored tokens
+    logits.div_(sums).scatter_add_(1, picked, torch.full_like(picked, -1, dtype=logits.dtype)).mul_(kept.unsqueeze(1))
+    grad_logits = logits.to(rows.dtype)
+    del logits
+    if grad_rows is not None:
+        torch.matmul(grad_logits, weight, out=grad_rows)
+    if grad_weight is not None:
+        grad_weight += (grad_logits.T @ rows).float()
+    return loss
