@@ -321,3 +321,11 @@ def test_speed_switches_are_planned_and_pinned_in_the_launch_command(capsys):
     assert compiled["memory_per_gpu_gib"] == eager["memory_per_gpu_gib"]
     assert compiled["tokens_per_second"] > eager["tokens_per_second"] and not compiled["speed_calibrated"]
     assert compiled["launch_command"].split()[-1] == "--compile"
+
+
+def test_plan_takes_the_training_name_of_the_sequence_length(capsys):
+    """`finetune plan` reads `--max-seq-len` (what `finetune` calls it) as `--seq-len`."""
+    for flag in ("--seq-len", "--max-seq-len"):
+        assert cli_main(["plan", "--model", "llama-7b", "--gpus", "1xH100", "--method", "lora", flag, "3072", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["plans"][result["recommended"]]["seq_len"] == 3072

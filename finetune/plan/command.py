@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, help="default: the largest that fits")
     parser.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches per update (default 1)")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
+    parser.add_argument("--max-seq-len", dest="seq_len", type=int, help=argparse.SUPPRESS)  # training's name for it
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="default: only when needed to fit")
     parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
