@@ -23,10 +23,9 @@ user's `python -m finetune`, the Trainers through this script's `--tool`). A pro
 changes what an update costs: in a fresh process each logits-sized buffer (8 × ~75 × 49,152 fp32,
 ~115 MB) is a new mmap whose pages fault in zero-filled, ~110k minor faults per update, about 5 % of
 its CPU time (glibc tunables that keep freed memory took both tools' faults to 0 and their CPU time
-down ~5 %); a process that already holds large free heap chunks reuses resident memory instead.
-When the Trainers ran inside this script, after data preparation and earlier tools, they took
-55k–85k faults per update against finetune's ~110k in its fresh process: the 0.96× of
-bench/RESULTS.md, on identical batches, was that, and fresh processes measure level.
+down ~5 %); a process that already holds large free heap chunks, as this script's does after data
+preparation and earlier tools, reuses resident memory instead (55k–85k faults per update), so a tool
+run in it would be timed on cheaper updates than one in a fresh process (bench/RESULTS.md).
 
 Throughput = tokens the model reads (padding excluded) / seconds spent in optimizer updates after
 `--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
