@@ -1,6 +1,6 @@
 """Training tokens/s on a real model: finetune vs transformers' Trainer vs TRL's SFTTrainer.
 
-What users would otherwise run for the same job, side by side in one process run: LoRA (r 16,
+What users would otherwise run for the same job, side by side in one bench run: LoRA (r 16,
 alpha 32, all linear layers) on SmolLM2-135M-Instruct (`--model smollm2-135m`), the same rows
 (examples/smarthome/train.jsonl, loss on the assistant answer only), micro batch 8, sequences of at
 most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointing, one process, CPU.
@@ -9,10 +9,23 @@ most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointin
   metrics.jsonl (`--log-every 1`) gives each update's tokens and seconds.
 - Trainer: the rows finetune tokenized (same ids, same masks), `DataCollatorForSeq2Seq` padding
   right; plain (random order), and with `train_sampling_strategy="group_by_length"` (batches of
-  similar lengths, less padding).
+  similar lengths, less padding). The length-grouped Trainer gets finetune's row order: both are
+  transformers' `get_length_grouped_indices` with the same group size, and only their random
+  generators differ, so the Trainer's own would time other rows (megabatches of 96 rows here, each
+  update's token count set by which rows fall into the first one). Same order, same batches: the
+  two are timed on identical work.
 - SFTTrainer: the raw chats as prompt/completion conversations (its own chat-template tokenization,
   loss on the completion), `padding_free=True` (each batch flattened into one row, no padding);
   its defaults bf16 and gradient checkpointing are turned off to match.
+
+Every tool trains in a process of its own, started fresh for each measurement (finetune as the
+user's `python -m finetune`, the Trainers through this script's `--tool`). A process's heap history
+changes what an update costs: in a fresh process each logits-sized buffer (8 × ~75 × 49,152 fp32,
+~115 MB) is a new mmap whose pages fault in zero-filled, ~110k minor faults per update, about 5 % of
+its CPU time (glibc tunables that keep freed memory took both tools' faults to 0 and their CPU time
+down ~5 %); a process that already holds large free heap chunks, as this script's does after data
+preparation and earlier tools, reuses resident memory instead (55k–85k faults per update), so a tool
+run in it would be timed on cheaper updates than one in a fresh process (bench/RESULTS.md).
 
 Throughput = tokens the model reads (padding excluded) / seconds spent in optimizer updates after
 `--warmup` untimed ones. Every tool's update is timed the same way: from the batch in hand to the
@@ -43,6 +56,7 @@ import torch
 from finetune.models import loading
 from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
+from finetune.data.sampler import LengthGroupedSampler, row_lengths
 
 MODEL = "smollm2-135m"
 DATASET = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
@@ -122,13 +136,21 @@ def common_arguments(out: str, steps: int) -> dict:
 def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[tuple[float, float], str]:
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
+    class SameOrderTrainer(Trainer):
+        """group_by_length drawn with finetune's generator, so both train on the same batches (see the docstring)."""
+
+        def _get_train_sampler(self, train_dataset=None):
+            return LengthGroupedSampler(row_lengths(rows), MICRO_BATCH, TrainConfig().seed)
+
     tokenizer.padding_side = "right"
+    trainer_class = SameOrderTrainer if sampling == "group_by_length" else Trainer
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(**common_arguments(out, warmup + steps), train_sampling_strategy=sampling)
-        trainer = Trainer(model=lora_model(source), args=args, train_dataset=rows,
-                          data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+        trainer = trainer_class(model=lora_model(source), args=args, train_dataset=rows,
+                                data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
         rate = tokens_per_second(trainer, warmup)
-    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}"
+    order = ", finetune's row order" if sampling == "group_by_length" else ""
+    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}{order}"
 
 
 def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
@@ -147,42 +169,72 @@ def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tu
     return rate, "prompt/completion chats tokenized by TRL, padding_free, completion-only loss"
 
 
+TOOLS = ("finetune", "transformers Trainer", "Trainer, group_by_length", "TRL SFTTrainer")
+
+
+def measure(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
+    """`tool`'s tokens per wall and per CPU second, measured in a fresh process (see the docstring)."""
+    if tool == "finetune":
+        return finetune_tokens_per_second(steps, warmup)  # its own process already
+    with tempfile.TemporaryDirectory() as out:
+        result = Path(out) / "result.json"
+        subprocess.run([sys.executable, __file__, "--tool", tool, "--result", str(result), "--steps", str(steps),
+                        "--warmup", str(warmup)], check=True, stdout=subprocess.DEVNULL)
+        rate, setting = json.loads(result.read_text())
+    return tuple(rate), setting
+
+
+def measure_here(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
+    """A Trainer's measurement in this process, which `measure` started for it."""
+    source = loading.materialize(TrainConfig(model=MODEL))
+    tokenizer = loading.load_tokenizer(source, trust_remote_code=False)
+    if tool == "TRL SFTTrainer":
+        return sft_tokens_per_second(source, tokenizer, steps, warmup)
+    with tempfile.TemporaryDirectory() as cache:
+        rows = tokenized_rows(tokenizer, cache)
+        if tool == "transformers Trainer":
+            return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, "random")
+        return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, "group_by_length")
+
+
+def tokenized_rows(tokenizer, cache: str):
+    """The train rows as finetune tokenizes them (its cache in `cache`)."""
+    data = prepare_data(TrainConfig(model=MODEL, dataset=str(DATASET), eval_split="test", max_seq_len=MAX_SEQ_LEN,
+                                    data_cache=cache), tokenizer)
+    return data.train.with_format(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer updates per tool")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates first")
     parser.add_argument("--rounds", type=int, default=5, help="passes over the tools, every other one in reverse "
                         "order so that drift in machine load hits each tool alike; the table shows the median")
+    parser.add_argument("--tool", choices=TOOLS[1:], help=argparse.SUPPRESS)  # one Trainer's measurement, for `measure`
+    parser.add_argument("--result", help=argparse.SUPPRESS)  # where --tool writes it
     args = parser.parse_args()
+    if args.tool:
+        Path(args.result).write_text(json.dumps(measure_here(args.tool, args.steps, args.warmup)))
+        return
 
-    source = loading.materialize(TrainConfig(model=MODEL))
-    tokenizer = loading.load_tokenizer(source, trust_remote_code=False)
+    tokenizer = loading.load_tokenizer(loading.materialize(TrainConfig(model=MODEL)), trust_remote_code=False)
     with tempfile.TemporaryDirectory() as cache:
-        data = prepare_data(TrainConfig(model=MODEL, dataset=str(DATASET), eval_split="test", max_seq_len=MAX_SEQ_LEN,
-                                        data_cache=cache), tokenizer)
-        rows = data.train.with_format(None)
-        tools = {
-            "finetune": lambda: finetune_tokens_per_second(args.steps, args.warmup),
-            "transformers Trainer": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup, "random"),
-            "Trainer, group_by_length": lambda: trainer_tokens_per_second(source, tokenizer, rows, args.steps, args.warmup,
-                                                                          "group_by_length"),
-        }
-        if importlib.util.find_spec("trl"):
-            tools["TRL SFTTrainer"] = lambda: sft_tokens_per_second(source, tokenizer, args.steps, args.warmup)
-        else:
-            print("trl is not installed (pip install trl): TRL SFTTrainer left out")
-        rates, settings, loads = {name: [] for name in tools}, {}, []
-        for round_ in range(args.rounds):
-            for name in list(tools)[:: -1 if round_ % 2 else 1]:
-                rate, settings[name] = tools[name]()
-                rates[name].append(rate)
-                loads.append(os.getloadavg()[0])
+        mean_len = statistics.mean(len(ids) for ids in tokenized_rows(tokenizer, cache)["input_ids"])
+    tools = list(TOOLS)
+    if not importlib.util.find_spec("trl"):
+        print("trl is not installed (pip install trl): TRL SFTTrainer left out")
+        tools.remove("TRL SFTTrainer")
+    rates, settings, loads = {name: [] for name in tools}, {}, []
+    for round_ in range(args.rounds):
+        for name in tools[:: -1 if round_ % 2 else 1]:
+            rate, settings[name] = measure(name, args.steps, args.warmup)
+            rates[name].append(rate)
+            loads.append(os.getloadavg()[0])
     import transformers
 
-    mean_len = statistics.mean(len(ids) for ids in rows["input_ids"])
     print(f"LoRA r16 all-linear, {MODEL}, fp32, micro batch {MICRO_BATCH}, max {MAX_SEQ_LEN} tokens (mean row "
-          f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds; torch "
-          f"{torch.__version__} threads {torch.get_num_threads()}, transformers "
+          f"{mean_len:.0f}), {args.steps} timed updates after {args.warmup}, {args.rounds} rounds, each tool in a fresh "
+          f"process; torch {torch.__version__} threads {torch.get_num_threads()}, transformers "
           f"{transformers.__version__}; load average {min(loads):.1f}-{max(loads):.1f}")
     print("\n".join(summary_lines(rates, settings)))
 
