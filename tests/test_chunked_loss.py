@@ -1,7 +1,7 @@
-"""The chunked loss (models/chunked_loss.py) is the model's own loss, computed without the logits:
-same loss and gradients for every architecture it covers, in every precision, with ignored tokens
-and token-weighted normalisation; untouched forwards without labels; and the one rule that decides
-where it runs (names.uses_chunked_loss)."""
+"""The chunked loss (models/chunked_loss.py) is the model's own loss, computed without the logits and
+only where there are targets: same loss and gradients for every architecture it covers, in every
+precision, with ignored tokens and token-weighted normalisation; untouched forwards without labels;
+and the one rule that decides where it runs (names.uses_chunked_loss)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def test_lora_adapters_get_the_gradients_of_the_models_own_loss():
     assert gradients.keys() == expected.keys() and all("lora_" in name for name in gradients)
     for name, gradient in gradients.items():
         torch.testing.assert_close(gradient, expected[name], rtol=1e-4, atol=1e-7)
+
+
+def test_a_micro_batch_without_targets_adds_nothing_and_still_backpropagates():
+    """Under accumulation a micro-batch can hold only prompt tokens: its loss is 0 of the window's
+    count, and backward runs (zero gradients) as with the model's own loss."""
+    model = tiny_model(vocab_size=VOCAB)
+    chunked_loss.install(model)
+    inputs = batch()
+    inputs["labels"] = torch.full_like(inputs["labels"], -100)
+    loss = model(**inputs, num_items_in_batch=torch.tensor(50)).loss
+    loss.backward()
+    assert loss.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 def test_without_labels_the_forward_is_the_models_own():

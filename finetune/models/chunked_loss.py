@@ -6,8 +6,9 @@ micro batch 4 that is 5.9 GiB for a 32k vocabulary and 23 GiB for Llama 3's 128k
 rest of a QLoRA step. Here the head runs on a chunk of tokens at a time: logits, loss and the
 gradients of the hidden states and the head weight are computed chunk by chunk in the forward
 (where the loss is a plain sum, its gradient needs nothing from later), and backward only scales
-them. TRL's fused LM head and Liger's fused linear cross-entropy do the same; this one is plain
-torch, so it also runs on CPU and wherever Liger is not installed.
+them; positions without a target (prompts, padding) never reach the head. TRL's fused LM head and
+Liger's fused linear cross-entropy do the same; this one is plain torch, so it also runs on CPU and
+wherever Liger is not installed.
 
 `install` patches the instance's forward: called with `labels`, it runs the backbone and returns
 the loss (no logits); without labels (evaluation, generation) it is the model's own forward.
@@ -18,11 +19,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, IGNORE_INDEX
 from finetune.plan.memory import chunk_tokens
+
 
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why the chunked loss cannot replace this model's own, or None (the architectures are those of
@@ -57,24 +60,35 @@ def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, label
                           num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """What transformers' causal-LM loss gives for `head(hidden)` and `labels` (shifted by one,
     IGNORE_INDEX skipped; the sum over `num_items_in_batch` when given, else the mean), with the
-    head computed in the dtype the model's own forward would use (autocast's, else the weight's)."""
+    head computed in the dtype the model's own forward would use (autocast's, else the weight's).
+
+    Only the positions with a target go through the head: prompts and padding cost nothing (under
+    SFT's answer-only loss that is often most of a batch)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
-    targets = labels[:, 1:].reshape(-1)
-    inputs = hidden[:, :-1].reshape(-1, hidden.size(-1)).to(dtype)
+    inputs, targets = with_targets(hidden, labels)
+    inputs = inputs.to(dtype)
     if isinstance(head_weight, DTensor):  # FSDP2 between its root's gathers: gather it (its gradient is scattered back)
         head_weight = head_weight.full_tensor()
     weight = head_weight.to(dtype)
     grads = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
         total = _ChunkedCrossEntropy.apply(inputs, weight, targets, chunk_tokens(weight.size(0)), grads)
-    count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
-    return total / count
+    return total / (num_items_in_batch if num_items_in_batch is not None else len(targets))
+
+
+def with_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states that predict a target, and those targets, as flat rows."""
+    if is_fake(labels):  # `plan --simulate` runs on fake tensors, which cannot count targets; its labels are all targets
+        return hidden[:, :-1].reshape(-1, hidden.size(-1)), labels[:, 1:].reshape(-1)
+    rows, positions = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    return flat.index_select(0, rows * hidden.size(1) + positions), labels[rows, positions + 1]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of token losses of `inputs @ weight.T` against `targets`, `chunk` tokens at a time; the
-    gradients are computed alongside (when `grads`) and kept, instead of the logits."""
+    """Sum of token losses of `inputs @ weight.T` against `targets` (every one a real target), `chunk`
+    tokens at a time; the gradients are computed alongside (when `grads`) and kept, instead of the logits."""
 
     @staticmethod
     def forward(ctx, inputs, weight, targets, chunk, grads):
@@ -104,18 +118,17 @@ def _chunk(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad
     """One chunk's summed token loss; its gradients written into `grad_rows` and added to
     `grad_weight` where given. A function of its own so that the chunk's logits are gone before the
     next chunk's are made."""
-    kept = targets != IGNORE_INDEX
-    picked = targets.clamp(min=0).unsqueeze(1)
+    picked = targets.unsqueeze(1)
     # one fp32 copy of the logits, worked on in place: exp(logits − max), then the softmax's gradient
     logits = (rows @ weight.T).float()
     picked_logit = logits.gather(1, picked).squeeze(1)
     largest = logits.amax(dim=1, keepdim=True)
     sums = logits.sub_(largest).exp_().sum(dim=1, keepdim=True)
-    loss = ((sums.log() + largest).squeeze(1) - picked_logit).mul(kept).sum()
+    loss = ((sums.log() + largest).squeeze(1) - picked_logit).sum()
     if grad_rows is None and grad_weight is None:
         return loss
-    # d(loss)/d(logits) = softmax − one-hot, zero for ignored tokens
-    logits.div_(sums).scatter_add_(1, picked, torch.full_like(picked, -1, dtype=logits.dtype)).mul_(kept.unsqueeze(1))
+    # d(loss)/d(logits) = softmax − one-hot
+    logits.div_(sums).scatter_add_(1, picked, torch.full_like(picked, -1, dtype=logits.dtype))
     grad_logits = logits.to(rows.dtype)
     del logits
     if grad_rows is not None:
