@@ -1,13 +1,14 @@
 """Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
 loss, regional compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
 architecture Liger does not cover, a package not installed) says so in one line and the run goes on
-without it; numerically each is the plain path (tests/test_speedups.py on CPU).
+without it; numerically each is the plain path (tests/test_speedups.py, tests/test_chunked_loss.py on CPU).
 
 A switch is on by default only where a GPU run measured it faster: Liger (on CUDA, when installed:
 TRL SFTTrainer ran 1.20× faster with it on an H100, bench/RESULTS.md) and flex attention for packed
-rows on a GPU (no dense mask to build). The chunked loss is on by default for what it saves
-(the full-vocabulary logits: 2.2 GiB of the 7B QLoRA run where TRL held less than finetune,
-bench/RESULTS.md); Liger's fused loss replaces it where Liger runs. Compilation is off unless asked
+rows on a GPU (no dense mask to build). The chunked loss is on by default for LoRA and QLoRA for
+the memory it saves (the full-vocabulary logits: 2.2 GiB of the 7B QLoRA run where TRL held less
+than finetune) and the time (1.15× the length-grouped Trainer on CPU; bench/RESULTS.md); Liger's
+fused loss replaces it where Liger runs. Compilation is off unless asked
 for until the GPU kit (bench/gpu/throughput.py) has measured it; its time is reported apart from
 training time.
 """
