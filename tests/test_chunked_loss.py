@@ -118,6 +118,17 @@ def test_an_uncovered_head_keeps_the_models_own_loss_and_says_so_when_asked():
                        "using the model's own loss")
 
 
+def test_a_quantized_head_is_not_read_as_a_weight_matrix():
+    import bitsandbytes as bnb
+
+    model = tiny_model(vocab_size=VOCAB)
+    head = model.get_output_embeddings()
+    quantized = bnb.nn.Linear4bit(head.in_features, head.out_features, bias=False, quant_type="nf4")
+    quantized.load_state_dict(head.state_dict())
+    model.set_output_embeddings(quantized.to("cpu"))  # packs the weight
+    assert chunked_loss.unsupported(model) == "its LM head is quantized"
+
+
 def test_where_liger_cannot_run_the_chunked_loss_stands_in_for_its_fused_loss():
     """--liger plans no logits; on CPU Liger does not run, and the chunked loss keeps that true."""
     said = []

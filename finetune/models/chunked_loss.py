@@ -35,6 +35,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return "its LM head is not a plain linear layer"
+    if tuple(head.weight.shape) != (head.out_features, head.in_features):  # e.g. bitsandbytes' packed 4-bit storage
+        return "its LM head is quantized"
     return None
 
 
