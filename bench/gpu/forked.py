@@ -2,11 +2,11 @@
 
 As its own `python -m finetune`, a grid row took 24–29 s on the H100 for 4 updates of under a second
 each, and a profiled run of the trainer spent ~50 of its 62 s starting (shared/gpu_runs/2026-11-25-h100:
-imports, torch registering its custom ops, compiling bytecode, matplotlib's font cache). On the CPU
-machine a tiny row took 13.5 s as a subprocess and 2.4–3.8 s forked (tests/test_gpu_kit.py's rows,
-2026-11-28). A forkserver pays the imports once and hands each row a fresh
-child from there: the row still gets its own process (its own CUDA context and peak-memory counters,
-the whole GPU back when it exits), but starts with the libraries loaded.
+imports, torch registering its custom ops, compiling bytecode, matplotlib's font cache). A forkserver
+pays the imports once and hands each row a fresh child from there: the row still gets its own
+process (its own CUDA context and peak-memory counters, the whole GPU back when it exits), but
+starts with the libraries loaded. On the 2-core CPU machine a tiny row takes 11.5 s as its own
+process and 5.3 s forked (`python bench/gpu/row_start.py`, bench/RESULTS.md).
 
 The server must never touch CUDA (a child forked after CUDA initialised cannot use it), so torch
 checks devices through NVML, and peft is not preloaded: it imports bitsandbytes, which queries the
@@ -67,7 +67,7 @@ class RowRunner:
 
 
 def python_in_child(python_args: list[str], log: Path) -> None:
-    """`python -m module …` or `python -c code …` in the forked child, its stdout and stderr into run.log."""
+    """`python -m module …` or `python -c code …` in the forked child, its stdout and stderr into `log`."""
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
