@@ -6,8 +6,8 @@ without it; numerically each is the plain path (tests/test_speedups.py, tests/te
 A switch is on by default only where a GPU run measured it faster: Liger (on CUDA, when installed:
 TRL SFTTrainer ran 1.20× faster with it on an H100, bench/RESULTS.md) and flex attention for packed
 rows on a GPU (no dense mask to build). The chunked loss is on by default for LoRA and QLoRA for
-the memory it saves (the full-vocabulary logits: 2.2 GiB of the 7B QLoRA run where TRL held less
-than finetune) and the time (1.15× the length-grouped Trainer on CPU; bench/RESULTS.md); Liger's
+the memory it saves (the full-vocabulary logits, likely the 2.2 GiB TRL held less than finetune in
+the 7B QLoRA run) and the time (1.15× the length-grouped Trainer on CPU; bench/RESULTS.md); Liger's
 fused loss replaces it where Liger runs. Compilation is off unless asked
 for until the GPU kit (bench/gpu/throughput.py) has measured it; its time is reported apart from
 training time.
