@@ -31,16 +31,15 @@ from finetune.plan.workload import from_run
 from finetune.train.simulate import simulate
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
-# (catalog shape, method, seq, micro batch, extra flags)
-CASES = (("mistral-7b", "lora", 4096, 2, {}), ("mistral-7b", "lora", 4096, 4, {}), ("llama-3.1-8b", "lora", 2048, 4, {}),
-         ("qwen2.5-7b", "lora", 2048, 2, {}), ("llama-3.2-1b", "full", 2048, 4, {"chunked_loss": True}))
+# (catalog shape, method, seq, micro batch)
+CASES = (("mistral-7b", "lora", 4096, 2), ("mistral-7b", "lora", 4096, 4), ("llama-3.1-8b", "lora", 2048, 4),
+         ("qwen2.5-7b", "lora", 2048, 2), ("llama-3.2-1b", "full", 2048, 4))
 
 
-def peaks(shape: str, method: str, seq: int, micro: int, extra: dict, chunked: bool, folder: Path) -> tuple[float, float]:
+def peaks(shape: str, method: str, seq: int, micro: int, chunked: bool, folder: Path) -> tuple[float, float]:
     """(simulated, planned) peak GiB per GPU of the 2-layer cut."""
     (folder / "config.json").write_text(json.dumps(replace(catalog.get(shape), num_layers=2).to_hf_config_dict()))
-    config = TrainConfig(model=str(folder), method=method, max_seq_len=seq, micro_batch_size=micro,
-                         **{**extra, "chunked_loss": chunked})
+    config = TrainConfig(model=str(folder), method=method, max_seq_len=seq, micro_batch_size=micro, chunked_loss=chunked)
     run = resolve_run(config, Launch(), H100)
     return simulate(run).peak_bytes / GIB, estimate(from_run(run, gpus.get("H100"))).allocated / GIB
 
@@ -69,10 +68,10 @@ def main() -> None:
     args = parser.parse_args()
     print("| shape (2-layer cut) | method | seq × micro batch | peak GiB, model's own loss (simulated / planned) | "
           "peak GiB, chunked loss (simulated / planned) | saved |\n|---|---|---|---|---|---|")
-    for shape, method, seq, micro, extra in CASES:
+    for shape, method, seq, micro in CASES:
         with tempfile.TemporaryDirectory() as tmp:
-            own = peaks(shape, method, seq, micro, extra, False, Path(tmp))
-            chunked = peaks(shape, method, seq, micro, extra, True, Path(tmp))
+            own = peaks(shape, method, seq, micro, False, Path(tmp))
+            chunked = peaks(shape, method, seq, micro, True, Path(tmp))
         print(f"| {shape} | {method} | {seq} × {micro} | {own[0]:.2f} / {own[1]:.2f} | {chunked[0]:.2f} / {chunked[1]:.2f} | "
               f"{own[0] - chunked[0]:.2f} GiB |")
     own, chunked = seconds_per_step(False, args.repeats), seconds_per_step(True, args.repeats)
