@@ -200,11 +200,14 @@ def chunked_loss_blocked(liger: bool | None, strategy: Strategy, model_type: str
     return None
 
 
+def chunked_loss_wanted(asked: bool | None, method: str) -> bool:
+    """When asked for, and by default for LoRA and QLoRA, whose head is frozen (full fine-tuning would
+    keep the head's fp32 gradient from the forward, which outweighs the logits of short micro-batches)."""
+    return asked if asked is not None else method != "full"
+
+
 def uses_chunked_loss(asked: bool | None, liger: bool | None, strategy: Strategy, model_type: str | None, method: str,
                       lora_targets: str) -> bool:
-    """Whether a run's loss goes through the LM head in chunks: when asked for, and by default for LoRA
-    and QLoRA, whose head is frozen (full fine-tuning would keep the head's fp32 gradient from the
-    forward, which outweighs the logits of short micro-batches), unless `chunked_loss_blocked`. The
-    planner and the trainer both decide it here."""
-    wanted = asked if asked is not None else method != "full"
-    return bool(wanted) and chunked_loss_blocked(liger, strategy, model_type, method, lora_targets) is None
+    """Whether a run's loss goes through the LM head in chunks: wanted and not blocked. The planner and
+    the trainer both decide it here."""
+    return chunked_loss_wanted(asked, method) and chunked_loss_blocked(liger, strategy, model_type, method, lora_targets) is None

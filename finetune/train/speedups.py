@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.config.names import STRATEGIES, Strategy, chunked_loss_blocked, uses_chunked_loss
+from finetune.config.names import STRATEGIES, Strategy, chunked_loss_blocked, chunked_loss_wanted
 from finetune.config.options import TrainConfig
 from finetune.models import chunked_loss
 
@@ -107,12 +107,12 @@ def use_chunked_loss(base: torch.nn.Module, config: TrainConfig, liger: bool, st
                      say: Callable[[str], None]) -> bool:
     """Install the chunked loss on `base` where it runs; say why not when it was asked for. Where a
     requested Liger cannot run, the chunked loss stands in for its fused loss (the plan counted no logits)."""
-    model_type, method, targets = base.config.model_type, config.method, config.lora_targets
-    asked = True if config.chunked_loss is None and config.liger else config.chunked_loss
-    why_not = chunked_loss_blocked(liger, strategy, model_type, method, targets) or chunked_loss.unsupported(base)
+    why_not = (chunked_loss_blocked(liger, strategy, base.config.model_type, config.method, config.lora_targets)
+               or chunked_loss.unsupported(base))
     if config.chunked_loss and why_not:
         say(f"--chunked-loss: {why_not}; using the model's own loss")
-    if why_not or not uses_chunked_loss(asked, liger, strategy, model_type, method, targets):
+    asked = True if config.chunked_loss is None and config.liger else config.chunked_loss
+    if why_not or not chunked_loss_wanted(asked, config.method):
         return False
     chunked_loss.install(base)
     return True
