@@ -6,8 +6,9 @@ Memory: the per-GPU peak of two training micro-steps simulated on fake tensors (
 --simulate`'s MemTracker, the trainer's own model and optimizer) for catalog shapes cut to 2 decoder
 layers (the loss's share does not depend on the depth), with the model's own loss and with the
 chunked loss, beside the planner's estimate of each. Time: seconds per forward + backward on this
-CPU, median of --repeats, for a 2-layer cut of SmolLM2-135M (vocabulary 49,152) at micro batch 4 ×
-seq 512, in fp32, with both losses (the same model and batch).
+CPU, wall and process CPU time, median (min–max) of --repeats, for a 2-layer cut of SmolLM2-135M
+(vocabulary 49,152) at micro batch 4 × seq 512, in fp32, with both losses (the same model and
+batch, alternating so that load on a shared machine falls on both).
 """
 
 from __future__ import annotations
@@ -44,22 +45,32 @@ def peaks(shape: str, method: str, seq: int, micro: int, chunked: bool, folder: 
     return simulate(run).peak_bytes / GIB, estimate(from_run(run, gpus.get("H100"))).allocated / GIB
 
 
-def seconds_per_step(chunked: bool, repeats: int) -> float:
+def step_seconds(repeats: int) -> dict[str, dict[str, list[float]]]:
+    """{"own" | "chunked": {"wall" | "cpu": seconds per forward + backward}}, the two losses alternating."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = replace(catalog.get("smollm2-135m"), num_layers=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.to_hf_config_dict()), attn_implementation="sdpa")
-    if chunked:
-        chunked_loss.install(model)
+    models = {}
+    for name in ("own", "chunked"):
+        torch.manual_seed(0)
+        models[name] = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.to_hf_config_dict()),
+                                                        attn_implementation="sdpa")
+    chunked_loss.install(models["chunked"])
     ids = torch.randint(0, spec.vocab_size, (4, 512), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(repeats + 1):  # the first is warm-up
-        started = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        times.append(time.perf_counter() - started)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    times = {name: {"wall": [], "cpu": []} for name in models}
+    for repeat in range(repeats + 1):  # the first of each is warm-up
+        for name, model in models.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if repeat:
+                times[name]["wall"].append(time.perf_counter() - wall)
+                times[name]["cpu"].append(time.process_time() - cpu)
+            model.zero_grad(set_to_none=True)
+    return times
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
 def main() -> None:
@@ -74,9 +85,13 @@ def main() -> None:
             chunked = peaks(shape, method, seq, micro, True, Path(tmp))
         print(f"| {shape} | {method} | {seq} × {micro} | {own[0]:.2f} / {own[1]:.2f} | {chunked[0]:.2f} / {chunked[1]:.2f} | "
               f"{own[0] - chunked[0]:.2f} GiB |")
-    own, chunked = seconds_per_step(False, args.repeats), seconds_per_step(True, args.repeats)
-    print(f"\nCPU, SmolLM2-135M 2-layer cut, 4 × 512 tokens, fp32, forward + backward: model's own loss {own:.2f} s, "
-          f"chunked {chunked:.2f} s ({chunked / own:.2f}×)")
+    times = step_seconds(args.repeats)
+    print(f"\nSmolLM2-135M 2-layer cut, 4 × 512 tokens, fp32, forward + backward on this CPU, {args.repeats} repeats:\n"
+          "| loss | wall s, median (min–max) | CPU s, median (min–max) |\n|---|---|---|")
+    for name, label in (("own", "model's own"), ("chunked", "chunked")):
+        print(f"| {label} | {spread(times[name]['wall'])} | {spread(times[name]['cpu'])} |")
+    ratio = statistics.median(times["chunked"]["cpu"]) / statistics.median(times["own"]["cpu"])
+    print(f"chunked / own, CPU time: {ratio:.2f}×")
 
 
 if __name__ == "__main__":
