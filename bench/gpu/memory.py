@@ -272,7 +272,8 @@ def device_description(gpu: str | None) -> tuple[str, float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("."), help="where memory.md and memory.csv go")
+    parser.add_argument("--out", type=Path, default=REPO / "output" / "gpu-kit",
+                        help="where memory.md and memory.csv go (default: output/gpu-kit, which git ignores)")
     parser.add_argument("--work", type=Path, help="scratch: random-init checkpoints, data, runs (default: a temporary dir)")
     parser.add_argument("--deadline", type=float, help="epoch seconds after which no row may still run")
     parser.add_argument("--dry-run", action="store_true", help="list the grid with predictions, run nothing (no GPU needed)")
