@@ -50,6 +50,7 @@ STEPS = 4
 RUN = ["--model", "tiny", "--max-steps", str(STEPS), "--save-every", "2", "--micro-batch-size", "2",
        "--gradient-accumulation-steps", "2", "--log-every", "1", "--warmup-steps", "1", "--max-seq-len", "64",
        "--max-eval-examples", "0"]
+LAUNCH_TIMEOUT = 300  # seconds: the slowest launch here takes about 60
 METHODS = {"full": [], "lora": ["--method", "lora", "--lora-r", "4", "--lora-dropout", "0.1"],
            "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"]}
 RESUME_CASES = [("single", "full"), ("single", "lora"), ("single", "qlora"), ("ddp", "lora"), ("fsdp2", "lora"),
@@ -77,20 +78,50 @@ def launch_command(strategy: str, *flags: str, method: str = "full", program: tu
 def finetune(strategy: str, *flags: str, method: str = "full", env: dict | None = None,
              program: tuple[str, ...] = ("-m", "finetune"), expect_exit: int = 0) -> subprocess.CompletedProcess:
     command = launch_command(strategy, *flags, method=method, program=program)
-    job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})}, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONFAULTHANDLER": "1",
+                                                   **(env or {})},
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        stdout, stderr = job.communicate(timeout=300)
+        stdout, stderr = job.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
-        kill_job(job, flags[flags.index("--output-dir") + 1])
-        raise
+        stacks = stacks_of_hung_run(job, flags[flags.index("--output-dir") + 1])
+        pytest.fail(f"{' '.join(command)} hung for {LAUNCH_TIMEOUT} s; where each process was:\n{stacks}")
     assert job.returncode == expect_exit, stdout[-2000:] + stderr[-4000:]
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
+def stacks_of_hung_run(launcher: subprocess.Popen, output_dir: str) -> str:
+    """Kill a hung run after making each of its ranks, then the launcher, print its Python stack
+    (PYTHONFAULTHANDLER dumps every thread's on SIGABRT), and return the end of what they printed.
+    The launcher is paused meanwhile, so it does not stop the other ranks when the first one dies."""
+    processes = processes_of(output_dir)
+    ranks = sorted((int(env["RANK"]), pid) for pid, env in processes.items() if "RANK" in env)
+    launchers = [pid for pid, env in processes.items() if "RANK" not in env]
+    for pid in launchers:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in [pid for _, pid in ranks] + launchers:
+        try:
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # gone already
+        time.sleep(1)  # one dump at a time
+    try:
+        stdout, stderr = launcher.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill_job(launcher, output_dir)
+        stdout, stderr = launcher.communicate()
+    kill_job(launcher, output_dir)  # whatever outlived the abort
+    order = ", ".join(f"rank {rank}" for rank, _ in ranks)
+    return f"(stacks in this order: {order}, the launcher)\n{stdout[-2000:]}{stderr[-12000:]}"
+
+
 def kill_job(launcher: subprocess.Popen, output_dir: str) -> None:
     """SIGKILL the launcher and its ranks (torch's launcher starts them in sessions of their own)."""
-    os.killpg(launcher.pid, signal.SIGKILL)
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the launcher's session has ended
     for pid in processes_of(output_dir):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -329,7 +360,7 @@ def test_preemption_signal_saves_and_exits_0(tmp_path, strategy, signum):
 
 
 COUNT_OPTIMIZER_STEPS = """
-import json, os, sys
+import gc, json, os, sys
 
 import torch
 
@@ -337,6 +368,8 @@ from finetune import cli
 from finetune.train import loop
 
 train = loop.train
+destroy_process_group = torch.distributed.destroy_process_group
+counts = {}
 
 
 def train_and_count(accelerator, model, optimizer, *args, progress, **kwargs):
@@ -344,16 +377,24 @@ def train_and_count(accelerator, model, optimizer, *args, progress, **kwargs):
     adamw = optimizer
     while not isinstance(adamw, torch.optim.AdamW):  # Accelerate's wrapper, then DeepSpeed's ZeRO optimizer
         adamw = adamw.optimizer
-    counts = {"updates": progress.step, "epoch": progress.epoch,
-              "adamw": sorted({int(state["step"]) for state in adamw.state.values()}),
-              "deepspeed": getattr(model, "global_steps", None)}
-    output_dir = sys.argv[sys.argv.index("--output-dir") + 1]
-    with open(os.path.join(output_dir, f"optimizer_steps_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(counts, f)
+    counts.update({"updates": progress.step, "epoch": progress.epoch,
+                   "adamw": sorted({int(state["step"]) for state in adamw.state.values()}),
+                   "deepspeed": getattr(model, "global_steps", None), "rank": accelerator.process_index})
+
+
+def destroy_and_count(*args, **kwargs):
+    gc.collect()
+    counts["ddp_modules_alive"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    destroy_process_group(*args, **kwargs)
 
 
 loop.train = train_and_count
-sys.exit(cli.main(sys.argv[1:]))
+torch.distributed.destroy_process_group = destroy_and_count
+status = cli.main(sys.argv[1:])
+output_dir = sys.argv[sys.argv.index("--output-dir") + 1]
+with open(os.path.join(output_dir, f"optimizer_steps_rank{counts['rank']}.json"), "w") as f:
+    json.dump(counts, f)
+sys.exit(status)
 """
 
 
@@ -361,7 +402,8 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path, strategy):
     """16 training rows at 2 ranks × micro 2 × accumulation 2: 2 updates per epoch, so 5 updates
     pass two epoch ends. The run is the CLI's, with the loop wrapped to read, once it returns, how
-    many steps AdamW (and DeepSpeed's engine) took on each rank."""
+    many steps AdamW (and DeepSpeed's engine) took on each rank. The process group is destroyed
+    only once no DDP module is left (run.train: else exit could hang in gloo's destructor)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": f"{i} times 3 is {3 * i}"}) + "\n" for i in range(17)))  # 1 held out
     driver = tmp_path / "count_optimizer_steps.py"
@@ -373,6 +415,7 @@ def test_one_optimizer_step_per_update_across_epoch_ends(tmp_path, strategy):
         counts = json.loads((out / f"optimizer_steps_rank{rank}.json").read_text())
         assert (counts["updates"], counts["epoch"], counts["adamw"]) == (5, 2, [5]), rank
         assert counts["deepspeed"] == (5 if strategy.startswith("zero") else None), rank
+        assert counts["ddp_modules_alive"] == 0, rank
 
 
 MEASURE_ZERO_OPTIMIZER = """
