@@ -17,11 +17,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from clock import spread, timed
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
@@ -60,17 +60,12 @@ def step_seconds(repeats: int) -> dict[str, dict[str, list[float]]]:
     times = {name: {"wall": [], "cpu": []} for name in models}
     for repeat in range(repeats + 1):  # the first of each is warm-up
         for name, model in models.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            model(input_ids=ids, labels=ids).loss.backward()
+            wall, cpu = timed(lambda model=model: model(input_ids=ids, labels=ids).loss.backward())
             if repeat:
-                times[name]["wall"].append(time.perf_counter() - wall)
-                times[name]["cpu"].append(time.process_time() - cpu)
+                times[name]["wall"].append(wall)
+                times[name]["cpu"].append(cpu)
             model.zero_grad(set_to_none=True)
     return times
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
 def main() -> None:

@@ -231,7 +231,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     checkpoint = tmp_path / "random-init/mistral-7b"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
-    assert len(lines) == 2 * len(throughput.ROWS) == 16
+    assert len(lines) == 2 * len(throughput.ROWS) == 20
     for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
         assert line[:36].strip() == row.name and command.startswith("      $ ")
         argv = shlex.split(command.removeprefix("      $ "))
@@ -242,6 +242,10 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
             assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
                     config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
             assert config.chunked_loss in ((None, True) if row.chunked_loss else (False,))
+            if row.planned_layers:  # the plan's fewest checkpointed layers on an H100: a 7B QLoRA leaves room
+                assert config.gradient_checkpointing_layers == throughput.workload(row, args).recomputed_layers < 32
+            else:
+                assert config.gradient_checkpointing_layers is None
         else:
             assert "not planned" in line and argv[1] == str(KIT / "baselines.py")
             parsed = baselines.parse_args(argv[2:])

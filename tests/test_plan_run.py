@@ -142,6 +142,8 @@ PLANS = {
                                             gradient_accumulation_steps=4),
     "qlora single on a T4": Request(model=catalog.get("llama-7b"), gpu=gpus.get("T4"), gpus_per_node=1, method="qlora",
                                     gradient_checkpointing=True),
+    "lora, 7B on an H100, checkpointing some layers": Request(model=catalog.get("mistral-7b"), gpu=gpus.get("H100"),
+                                                             gpus_per_node=1, method="lora", seq_len=4096),
     "lora on the head, 8-bit AdamW": Request(model=catalog.get("qwen2.5-7b"), gpu=gpus.get("L40S"), gpus_per_node=4,
                                              method="lora", strategy="zero2", optimizer="adamw-8bit",
                                              lora_targets="q_proj,v_proj,lm_head", lora_r=32),

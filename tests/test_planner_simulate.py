@@ -40,11 +40,17 @@ CASES = {  # name → (catalog shape, layers, training flags, processes under FS
     "lora 128k vocabulary": ("llama-3.1-8b", 2, dict(method="lora", max_seq_len=2048), 1),
     "full, chunked loss": ("llama-3.2-1b", 4, dict(max_seq_len=2048, chunked_loss=True), 1),
     "lora checkpointing": ("llama-7b", 2, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True), 1),
+    "lora checkpointing 2 of 4 layers": ("llama-7b", 4, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True,
+                                                             gradient_checkpointing_layers=2), 1),
+    "full bf16-mixed checkpointing 1 of 4 layers": ("llama-3.2-1b", 4, dict(max_seq_len=1024, gradient_checkpointing=True,
+                                                                            gradient_checkpointing_layers=1), 1),
     "lora q,v on qwen2.5": ("qwen2.5-7b", 2, dict(method="lora", lora_targets="q_proj,v_proj", max_seq_len=1024), 1),
     "fsdp2 full 2 ranks": ("llama-7b", 4, dict(max_seq_len=1024), 2),
     "fsdp2 full 8 ranks seq 2048": ("llama-7b", 4, dict(max_seq_len=2048), 8),
     "fsdp2 lora 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048), 4),
     "fsdp2 lora checkpointing 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True), 4),
+    "fsdp2 lora checkpointing 3 of 4 layers 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True,
+                                                                          gradient_checkpointing_layers=3), 4),
 }
 
 

@@ -43,6 +43,8 @@ import memory  # noqa: E402  (the kit's random-init checkpoints, text rows and m
 from forked import run_logged  # noqa: E402
 from finetune.models import catalog  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
+from finetune.plan.choose import fewest_checkpointed  # noqa: E402
+from finetune.plan.files import checkpointing_flags  # noqa: E402
 from finetune.plan.speed import estimate_speed  # noqa: E402
 from finetune.plan.workload import Workload  # noqa: E402
 
@@ -58,16 +60,20 @@ class Row:
     liger: bool = False
     compile: bool = False
     chunked_loss: bool = True  # finetune's default for LoRA/QLoRA; off: the model's own loss, as on 2026-11-25
+    planned_layers: bool = False  # checkpoint only the layers `finetune plan` picks for --gpu (else all of them)
 
 
-# In the order worth measuring when --deadline cuts the run short: the eager comparison first, the
-# compiled rows last (their first update compiles for a minute or more).
+# In the order worth measuring when --deadline cuts the run short: finetune as on 2026-11-25, the
+# anchor it must beat (TRL + Liger) and finetune's fastest plan first; the compiled rows last (their
+# first update compiles for a minute or more).
 ROWS = (
     Row("finetune", "finetune"),
-    Row("finetune --liger", "finetune", liger=True),
-    Row("finetune --no-chunked-loss", "finetune", chunked_loss=False),
-    Row("TRL SFTTrainer", "trl"),
     Row("TRL SFTTrainer use_liger_kernel", "trl", liger=True),
+    Row("finetune --liger, ckpt as planned", "finetune", liger=True, planned_layers=True),
+    Row("finetune, ckpt as planned", "finetune", planned_layers=True),
+    Row("finetune --liger", "finetune", liger=True),
+    Row("TRL SFTTrainer", "trl"),
+    Row("finetune --no-chunked-loss", "finetune", chunked_loss=False),
     Row("bare PEFT loop, fused AdamW", "peft-loop"),
     Row("finetune --compile", "finetune", compile=True),
     Row("finetune --liger --compile", "finetune", liger=True, compile=True),
@@ -76,14 +82,18 @@ ROWS = (
 
 def planned(row: Row, args: argparse.Namespace) -> float | None:
     """finetune's planned tokens/s for the row (the planner plans finetune, not the others)."""
-    if row.program != "finetune":
-        return None
+    return estimate_speed(workload(row, args)).tokens_per_second if row.program == "finetune" else None
+
+
+def workload(row: Row, args: argparse.Namespace) -> Workload:
+    """The planner's view of a finetune row on --gpu; with `planned_layers`, checkpointing as few
+    layers as `finetune plan` would."""
     w = Workload(model=catalog.get(args.model), gpu=gpus.get(args.gpu), gpus_per_node=1, method=args.method,
                  strategy="single", offload="none", precision="bf16-true", optimizer="adamw",
                  micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, gradient_checkpointing=True,
                  loss="liger" if row.liger else "finetune-chunked" if row.chunked_loss else "transformers",
                  compile=row.compile, fused_optimizer=True)
-    return estimate_speed(w).tokens_per_second
+    return fewest_checkpointed(w) if row.planned_layers else w
 
 
 def inputs(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -111,6 +121,7 @@ def row_command(row: Row, args: argparse.Namespace) -> list[str]:
             "--log-every", "1", "--max-eval-examples", "0", "--num-samples", "0", "--no-save-final",
             "--liger" if row.liger else "--no-liger", "--compile" if row.compile else "--no-compile",
             *([] if row.chunked_loss else ["--no-chunked-loss"]),
+            *checkpointing_flags(workload(row, args))[1:],  # --gradient-checkpointing-layers N, if the plan has it
             "--output-dir", str(run_dir(row, args))]
 
 

@@ -16,6 +16,7 @@ PACKAGES = ("torch", "accelerate", "transformers", "peft", "datasets", "bitsandb
 CHANGEABLE_ON_RESUME = frozenset({
     "max_steps", "epochs", "output_dir", "log_every", "eval_every", "max_eval_examples", "eval_generate", "report_to",
     "num_samples", "save_final", "save_every", "keep_last", "resume", "gradient_checkpointing",
+    "gradient_checkpointing_layers",
     "trust_remote_code", "preflight_timeout", "gpu", "fit_check", "allow_cpu", "verbose",
     "deepspeed",  # a path; the ZeRO stage it selects is compared as `strategy`
 })

@@ -47,6 +47,7 @@ class TrainConfig:
     lora_dropout: float = _field(0.0, "Dropout on the LoRA branch.")
     lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
+    gradient_checkpointing_layers: int | None = _field(None, "With --gradient-checkpointing: recompute only the first N decoder layers; the others keep their activations (no recompute: faster, more memory). Unset: all. `finetune plan` recommends the fewest that fit.")
     liger: bool | None = _field(None, "Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy without full-vocabulary logits); unset: on for CUDA when liger-kernel is installed, off on CPU.")
     chunked_loss: bool | None = _field(None, "Loss through the LM head a chunk of tokens at a time, never holding the full-vocabulary logits (as TRL's fused LM head and axolotl's chunked cross-entropy); unset: on for LoRA and QLoRA, except where Liger's fused loss runs, under ZeRO-3, and for architectures it does not cover (llama, mistral, qwen2 are).")
     compile: bool | None = _field(None, "Regional compilation: torch.compile each decoder block in place (compile time reported apart from tokens/s, kernels cached in ~/.cache/finetune/inductor); off unless given until measured on a GPU.")
@@ -213,6 +214,13 @@ def validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
+    if config.gradient_checkpointing_layers is not None:
+        if config.gradient_checkpointing_layers < 1:
+            problems.append(f"--gradient-checkpointing-layers must be ≥ 1, got {config.gradient_checkpointing_layers} "
+                            "(no checkpointing: drop --gradient-checkpointing)")
+        elif not config.gradient_checkpointing:
+            problems.append("--gradient-checkpointing-layers says how many layers --gradient-checkpointing recomputes: "
+                            "add --gradient-checkpointing")
     if config.eval_generate is not None and config.eval_generate < 0:
         problems.append(f"--eval-generate must be ≥ 0, got {config.eval_generate}")
     if config.max_eval_examples == 0 and (config.eval_every or config.eval_generate):

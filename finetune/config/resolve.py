@@ -226,6 +226,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     check_precision(precision, config.method, strategy, offload)
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
+    check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
     return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
                        strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, given=given)
 
@@ -235,6 +236,12 @@ def check_seq_len(max_seq_len: int, spec: ModelSpec | None) -> None:
     if spec is not None and max_seq_len > spec.max_position_embeddings:
         raise ConfigError(f"--max-seq-len {max_seq_len} is beyond {spec.name}'s maximum of {spec.max_position_embeddings:,} "
                           f"positions (max_position_embeddings); use --max-seq-len {spec.max_position_embeddings} or less.")
+
+
+def check_checkpointed_layers(layers: int | None, spec: ModelSpec | None) -> None:
+    if spec is not None and layers is not None and layers > spec.num_layers:
+        raise ConfigError(f"--gradient-checkpointing-layers {layers}: {spec.name} has {spec.num_layers} decoder layers; "
+                          f"use {spec.num_layers} or less (or leave it unset: all).")
 
 
 def resolve_precision(requested: str, method: str, device: Device, launcher: str | None) -> Precision:

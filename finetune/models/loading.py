@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.models import gguf_import
 from finetune.models import source as model_source
@@ -124,11 +125,21 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
     model.config.use_cache = False
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep_activations_after(model, config.gradient_checkpointing_layers)
     if config.method in ("lora", "qlora"):
         model = _add_lora(model, config)
     # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
     model.train()
     return model
+
+
+def keep_activations_after(model: torch.nn.Module, recomputed: int | None) -> None:
+    """Checkpoint only the first `recomputed` decoder layers (None: all; resolve checked the count).
+    The later ones keep their activations, so backward, which meets them first, frees those before
+    it recomputes any layer."""
+    if recomputed is not None:
+        for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)][recomputed:]:
+            layer.gradient_checkpointing = False
 
 
 def build_skeleton(run: ResolvedRun):

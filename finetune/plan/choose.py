@@ -1,7 +1,8 @@
 """From a request with open choices ("auto") to ranked plans, each with its reasons.
 
 Enumerates method × strategy × offload, picks for each the cheapest settings that fit (no
-checkpointing if possible) and the largest micro batch that fits, then recommends the fastest
+checkpointing if possible; else as few checkpointed layers as leave headroom, at the micro batch
+that makes that fastest) and the largest micro batch that fits, then recommends the fastest
 fitting plan; ties go to fewer GPUs and less offload.
 """
 
@@ -23,6 +24,9 @@ from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, ST
 MAX_MICRO_BATCH = 64
 # Plans whose speed differs by less than this fraction count as tied.
 SPEED_TIE = 0.03
+# Layers are left un-checkpointed only while the plan stays within this share of the GPU's memory:
+# the memory model is within ~5 % of measured, and running out costs more than the recompute saves.
+PARTIAL_CHECKPOINTING_HEADROOM = 0.9
 OFFLOAD_RANK = {name: rank for rank, name in enumerate(OFFLOADS)}
 
 
@@ -44,6 +48,7 @@ class Request:
     micro_batch_size: int | None = None
     seq_len: int = 2048
     gradient_checkpointing: bool | None = None
+    gradient_checkpointing_layers: int | None = None  # None: the planner chooses (all, or the fewest with headroom)
     lora_r: int = 16
     lora_targets: str = "all-linear"
     gradient_accumulation_steps: int = 1
@@ -173,6 +178,7 @@ def candidates(request: Request) -> list[Workload]:
                     optimizer="adamw" if request.optimizer == "auto" else request.optimizer,
                     micro_batch_size=request.micro_batch_size or 1, seq_len=request.seq_len,
                     gradient_checkpointing=bool(request.gradient_checkpointing),
+                    checkpointed_layers=request.gradient_checkpointing_layers,
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
                     loss=loss_kind(request, strategy, method), compile=request.compile,
@@ -204,18 +210,55 @@ def largest_micro_batch(w: Workload) -> int:
 
 
 def settle(request: Request, w: Workload) -> Workload:
-    """Fill the open knobs of one candidate: checkpointing only when needed, largest micro batch."""
+    """Fill the open knobs of one candidate: the largest micro batch that fits, with checkpointing
+    when it is needed or faster (fewer layers kept at a larger micro batch), of as few layers as
+    leave headroom. Without checkpointing where that is as fast (SPEED_TIE)."""
     options = (False, True) if request.gradient_checkpointing is None else (request.gradient_checkpointing,)
+    open_layers = request.gradient_checkpointing_layers is None
+    settled = []
     for checkpointing in options:
         candidate = replace(w, gradient_checkpointing=checkpointing)
+        partial = checkpointing and open_layers
         if request.micro_batch_size is not None:
             if fits(candidate):
-                return candidate
+                settled.append(fewest_checkpointed(candidate) if partial else candidate)
             continue
         micro = largest_micro_batch(candidate)
         if micro:
-            return candidate.with_micro_batch(micro)
-    return replace(w, gradient_checkpointing=options[-1])  # the smallest footprint, shown as not fitting
+            settled.append(fastest_partial_checkpointing(candidate, micro) if partial else candidate.with_micro_batch(micro))
+    if not settled:
+        return replace(w, gradient_checkpointing=options[-1])  # the smallest footprint, shown as not fitting
+    first, *others = settled
+    fastest = max(settled, key=lambda s: estimate_speed(s).tokens_per_second)
+    faster = estimate_speed(fastest).tokens_per_second > (1 + SPEED_TIE) * estimate_speed(first).tokens_per_second
+    return fastest if faster else first
+
+
+def fewest_checkpointed(w: Workload) -> Workload:
+    """`w` (checkpointing, fitting) with as few of its first layers checkpointed as keep the plan
+    within PARTIAL_CHECKPOINTING_HEADROOM of the GPU; all of them when even that is too much. Memory
+    falls as layers are added, so a bisection finds the count."""
+    budget = PARTIAL_CHECKPOINTING_HEADROOM * w.gpu.memory_gib * GIB
+    layers = w.model.num_layers
+
+    def within(recomputed: int) -> bool:
+        return estimate(replace(w, checkpointed_layers=recomputed)).device(w.world_size) <= budget
+
+    if not within(layers):
+        return replace(w, checkpointed_layers=None)
+    low, high = 1, layers
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if within(middle) else (middle + 1, high)
+    return replace(w, checkpointed_layers=None if low == layers else low)
+
+
+def fastest_partial_checkpointing(w: Workload, largest_micro: int) -> Workload:
+    """Fewer checkpointed layers or a larger micro batch: the fastest of the micro batches 1, 2,
+    4, … up to `largest_micro` (which fits with every layer checkpointed), each with its fewest."""
+    micro_batches = sorted({2**k for k in range(largest_micro.bit_length())} | {largest_micro})
+    settled = [fewest_checkpointed(w.with_micro_batch(micro)) for micro in micro_batches]
+    return max(settled, key=lambda s: estimate_speed(s).tokens_per_second)
 
 
 def plan(request: Request) -> tuple[list[Plan], int | None]:
@@ -282,6 +325,13 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         else:
             reasons.append(f"{label}: needs {p.device_gib:.1f} GiB per GPU > {capacity:.1f} GiB even at micro batch 1"
                            + (" with checkpointing" if w.gradient_checkpointing else ""))
+    if w.gradient_checkpointing and w.recomputed_layers < w.model.num_layers:
+        every_layer = replace(w, checkpointed_layers=None)
+        more_gib = p.device_gib - estimate(every_layer).device(w.world_size) / GIB
+        speedup = p.speed.tokens_per_second / estimate_speed(every_layer).tokens_per_second
+        reasons.append(f"checkpointing: the first {w.recomputed_layers} of {w.model.num_layers} layers recompute in the "
+                       f"backward, the others keep their activations ({more_gib:.1f} GiB more than checkpointing all, "
+                       f"{speedup:.2f}× the tokens/s)")
     if p.fits_host and w.offload != "none":
         reasons.append(f"offload: {host}, PCIe copies every step")
     if p.speed.comm_bound:

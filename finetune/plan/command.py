@@ -20,7 +20,7 @@ from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
 from finetune.library_logs import quiet_libraries
 from finetune.plan import report
-from finetune.plan.choose import Plan, Request, plan
+from finetune.plan.choose import PARTIAL_CHECKPOINTING_HEADROOM, Plan, Request, plan
 from finetune.plan.files import ACCELERATE_FILE, DEFAULT_CONFIG_DIR, config_texts, train_flags, write_configs
 from finetune.models.source import resolve_model, spec_from_config
 from finetune.plan.query import parse_gpus, parse_query
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seq-len", dest="seq_len", type=int, help=argparse.SUPPRESS)  # training's name for it
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="default: only when needed to fit")
+    parser.add_argument("--gradient-checkpointing-layers", type=int, metavar="N",
+                        help="with checkpointing: recompute only the first N decoder layers (default: the fewest that "
+                        f"keep the plan within {PARTIAL_CHECKPOINTING_HEADROOM:.0%} of the GPU)")
     parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock); default off")
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,

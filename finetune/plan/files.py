@@ -114,9 +114,15 @@ def train_flags(w: Workload) -> list[str]:
         flags += ["--optimizer", w.optimizer]
     if w.method != "full":
         flags += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
-    if w.gradient_checkpointing:
-        flags.append("--gradient-checkpointing")
-    return flags + speed_flags(w)
+    return flags + checkpointing_flags(w) + speed_flags(w)
+
+
+def checkpointing_flags(w: Workload) -> list[str]:
+    """--gradient-checkpointing, with how many layers when the plan recomputes only some."""
+    if not w.gradient_checkpointing:
+        return []
+    partial = w.recomputed_layers < w.model.num_layers
+    return ["--gradient-checkpointing", *(["--gradient-checkpointing-layers", str(w.recomputed_layers)] if partial else [])]
 
 
 def speed_flags(w: Workload) -> list[str]:
@@ -145,7 +151,7 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
              "--method", w.method, "--strategy", w.strategy.name, "--offload", w.offload, "--precision", w.precision.name,
              "--optimizer", w.optimizer, "--micro-batch-size", str(w.micro_batch_size),
              "--gradient-accumulation-steps", str(w.gradient_accumulation_steps), "--seq-len", str(w.seq_len),
-             "--gradient-checkpointing" if w.gradient_checkpointing else "--no-gradient-checkpointing"]
+             *(checkpointing_flags(w) or ["--no-gradient-checkpointing"])]
     if w.method != "full":
         words += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
     return shlex.join([*words, *speed_flags(w), "--write-config", config_dir])

@@ -309,17 +309,22 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     """Saved activations of one micro-batch on one GPU at the two candidate peaks of backward:
     at the loss (every layer's activations plus logits and cross-entropy) and inside the last
     layer (every layer's activations, the layer's recomputed activations under checkpointing, and
-    its gradient scratch). With gradient checkpointing each layer keeps only its input.
+    its gradient scratch). A checkpointed layer keeps only its input. With the first N of the
+    layers checkpointed, backward meets the others first and has freed their activations by the
+    time it recomputes one, so the peak is that of the last layer, not recomputed.
     """
     spec = w.model
     tokens = w.tokens_per_micro_batch
     layer = layer_activation_bytes(w)
-    kept = spec.num_layers * (spec.hidden_size * residual_bytes(w) if w.gradient_checkpointing else layer)
+    recomputed = w.recomputed_layers
+    kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size
-    in_layer = (layer if w.gradient_checkpointing else 0.0) + LAYER_SCRATCH * layer
-    if w.strategy.fsdp and w.method != "full" and not w.gradient_checkpointing:
+    last_recomputed = recomputed == spec.num_layers
+    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
+    if w.strategy.fsdp and w.method != "full" and not recomputed:
         # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
-        # released the last layer's saved activations (FSDPMemTracker, tests/test_planner_simulate.py)
+        # released the last layer's saved activations (FSDPMemTracker, tests/test_planner_simulate.py;
+        # with some layers checkpointed the simulated peak is 5-9 % under this model without it)
         in_layer -= layer
     copies = autocast_weight_copies(w)
     return tokens * (kept + at_loss) + copies + chunk_scratch_bytes(w), tokens * (kept + in_layer) + copies
@@ -327,7 +332,7 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 
 def autocast_weight_copies(w: Workload) -> float:
     """Under autocast, fp32 weights are cast to 16 bits for each matmul, and backward keeps those
-    copies: one 16-bit copy of every matmul weight (only the current layer's under checkpointing).
+    copies: one 16-bit copy of every matmul weight (a checkpointed layer's only while it recomputes).
     Under QLoRA only the LM head is such a matmul (fp32 after PEFT's k-bit upcast); 16-bit weights
     (fp16-true), FSDP2 and DeepSpeed already hold compute weights, so they make none."""
     p = w.precision
@@ -339,7 +344,7 @@ def autocast_weight_copies(w: Workload) -> float:
         return p.compute_bytes * head if unquantized_bytes(w) > p.compute_bytes else 0.0
     if p.weight_bytes == p.compute_bytes:
         return 0.0
-    layers = 1 if w.gradient_checkpointing else w.model.num_layers
+    layers = w.model.num_layers - w.recomputed_layers + (w.recomputed_layers > 0)
     return p.compute_bytes * (layers * counts.layer_linear_weights + head)
 
 

@@ -8,6 +8,7 @@ from finetune.plan.choose import Plan, Request, describe
 from finetune.plan.files import launch_command
 from finetune.plan.memory import GIB, trainable_params
 from finetune.plan.params import count_params
+from finetune.plan.workload import Workload
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "buffers")
 
@@ -23,6 +24,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "method": w.method, "strategy": w.strategy.name, "offload": w.offload, "precision": w.precision.name,
         "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
         "gradient_checkpointing": w.gradient_checkpointing,
+        "gradient_checkpointing_layers": w.recomputed_layers,  # of model.num_layers; 0 without checkpointing
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
         "liger": w.loss == "liger",
         "chunked_loss": w.loss == "finetune-chunked",
@@ -95,7 +97,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
         rows.append((
             "*" if i == recommended else "", w.method, w.strategy.label, w.offload,
-            str(w.micro_batch_size), "yes" if w.gradient_checkpointing else "no",
+            str(w.micro_batch_size), checkpointing_cell(w),
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),
             f"{p.speed.tokens_per_second:,.0f}{'' if p.speed.calibrated else '~'}", f"{hours:.1f}" if hours is not None else "-",
@@ -113,7 +115,8 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         return "\n".join(lines)
     best = plans[recommended]
     lines.append(f"{heading}: {describe(best.workload)}, micro batch {best.workload.micro_batch_size}"
-                 + (", gradient checkpointing" if best.workload.gradient_checkpointing else ""))
+                 + (f", gradient checkpointing ({checkpointing_cell(best.workload)} layers)"
+                    if best.workload.gradient_checkpointing else ""))
     lines += [f"  - {reason}" for reason in best.reasons]
     lines.append(f"  launch: {launch or launch_command(best, config_dir)}")
     losers = [p for p in plans if not p.fits]
@@ -200,3 +203,10 @@ def _draw_bars(plans: list[Plan], labels: list[str], request: Request, title: st
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def checkpointing_cell(w: Workload) -> str:
+    """no, all, or N/L: how many of the decoder layers recompute in the backward."""
+    if not w.gradient_checkpointing:
+        return "no"
+    return "all" if w.recomputed_layers == w.model.num_layers else f"{w.recomputed_layers}/{w.model.num_layers}"

@@ -48,7 +48,7 @@ class Calibration:
 # Fitted on one H100 80GB (torch 2.11 + CUDA 13, transformers 5.17, peft 0.21, eager, SDPA):
 # bench/gpu/measured/h100-2026-11-25.csv, `python bench/speed_fit.py` (bench/RESULTS.md, per row).
 CALIBRATION = Calibration(
-    layer_issue_s=6.48e-3, adapter_issue_s=0.334e-3, dequant_issue_s=0.441e-3, peak_mfu=0.438, half_tokens=1695,
+    layer_issue_s=6.48e-3, adapter_issue_s=0.334e-3, dequant_issue_s=0.441e-3, peak_mfu=0.436, half_tokens=1695,
     liger_gpu_speedup=1.214,
 )
 # GPU classes with measured runs behind CALIBRATION; every other GPU is extrapolated from them.
@@ -146,16 +146,18 @@ class Speed:
 
 def training_flops(w: Workload) -> tuple[float, float]:
     """(forward, backward) training FLOPs per token: 2 per matmul weight forward, 2 for input
-    gradients, 2 per trainable weight for weight gradients, the forward again in the backward when
-    checkpointing recomputes it; attention adds 2·s·width per layer forward (causal half of QKᵀ
+    gradients, 2 per trainable weight for weight gradients, the forward of the layers checkpointing
+    recomputes again in the backward; attention adds 2·s·width per layer forward (causal half of QKᵀ
     and AV) and twice that backward."""
+    counts = count_params(w.model)
     adapters = 0 if w.method == "full" else trainable_params(w)
-    matmul = count_params(w.model).matmul + adapters
+    matmul = counts.matmul + adapters
     trainable = matmul if w.method == "full" else adapters
     attention = attention_flops(w)
     forward = 2 * matmul + attention
     backward = 2 * matmul + 2 * trainable + 2 * attention
-    return forward, backward + (forward if w.gradient_checkpointing else 0)
+    recomputed = forward - 2 * (counts.head or counts.embedding)  # the decoder layers; the LM head runs once
+    return forward, backward + recomputed * w.recompute_share
 
 
 def attention_flops(w: Workload) -> float:
@@ -230,14 +232,14 @@ def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: f
 
 def issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time to issue one micro-batch's kernels: per decoder layer, per adapted linear (once
-    more for the forward that checkpointing recomputes), per 4-bit dequantization."""
+    more for the layers whose forward checkpointing recomputes), per 4-bit dequantization."""
     layers = w.model.num_layers
     adapted = 0 if w.method == "full" else layers * len(resolve_lora_targets(w.model, w.lora_targets))
-    passes = 1 + (FORWARD_SHARE if w.gradient_checkpointing else 0.0)
+    passes = 1 + FORWARD_SHARE * w.recompute_share
     per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
     dequant = 0.0
     if w.method == "qlora":  # each 4-bit linear is dequantized in the forward, the backward and any recompute
-        dequant = layers * len(layer_linears(w.model)) * (2 + w.gradient_checkpointing) * c.dequant_issue_s
+        dequant = layers * len(layer_linears(w.model)) * (2 + w.recompute_share) * c.dequant_issue_s
     return passes * per_pass + dequant
 
 
@@ -248,11 +250,11 @@ def gpu_seconds(w: Workload, c: Calibration) -> float:
     rate = w.gpu.bf16_tflops * 1e12 * c.peak_mfu * tokens / (tokens + c.half_tokens)
     rate *= FP32_SPEED if w.precision.fp32 else 1.0
     forward, backward = training_flops(w)
-    attention = attention_flops(w) * (3 + w.gradient_checkpointing)  # forward, backward twice, recompute
+    attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
     seconds = tokens * ((forward + backward - attention) / rate + attention / (rate * ATTENTION_SPEED))
     moved = 0.0 if w.loss == "liger" else tokens * w.model.vocab_size * UNFUSED_LOSS_BYTES
     if w.method == "qlora":  # 4-bit read, 16-bit written, per dequantization
-        moved += count_params(w.model).quantizable * 2.5 * (2 + w.gradient_checkpointing)
+        moved += count_params(w.model).quantizable * 2.5 * (2 + w.recompute_share)
     seconds += moved / memory_bytes_per_s(w)
     return seconds / (c.liger_gpu_speedup if w.loss == "liger" else 1.0)
 

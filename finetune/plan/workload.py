@@ -37,6 +37,7 @@ class Workload:
     seq_len: int
     gradient_checkpointing: bool
     nodes: int = 1
+    checkpointed_layers: int | None = None  # with checkpointing: the first N decoder layers recompute (None: all)
     lora_r: int = 16
     lora_targets: str = "all-linear"
     gradient_accumulation_steps: int = 1
@@ -69,6 +70,19 @@ class Workload:
         return self.strategy.deepspeed
 
     @property
+    def recomputed_layers(self) -> int:
+        """Decoder layers whose activations the backward recomputes (0 without checkpointing)."""
+        if not self.gradient_checkpointing:
+            return 0
+        layers = self.model.num_layers
+        return layers if self.checkpointed_layers is None else min(self.checkpointed_layers, layers)
+
+    @property
+    def recompute_share(self) -> float:
+        """The share of the forward that checkpointing runs again in the backward."""
+        return self.recomputed_layers / self.model.num_layers
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.seq_len
 
@@ -79,7 +93,8 @@ class Workload:
 def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
     """The one translation of a training run into the planner's Workload: model, method, LoRA
     settings, precision, optimizer, strategy and offload (from the launch config / DeepSpeed JSON),
-    world size and machines, micro batch, accumulation, sequence length and checkpointing.
+    world size and machines, micro batch, accumulation, sequence length and checkpointing (and of how
+    many layers).
 
     Raises FinetuneError when the planner cannot read the model's architecture without a download.
     """
@@ -93,8 +108,9 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         model=run.spec, gpu=gpu, gpus_per_node=run.launch.gpus_per_node, nodes=run.launch.num_machines,
         method=config.method, strategy=run.strategy, offload=run.offload, precision=run.precision,
         optimizer=config.optimizer, micro_batch_size=run.batch.micro_batch_size, seq_len=config.max_seq_len,
-        gradient_checkpointing=config.gradient_checkpointing, lora_r=config.lora_r, lora_targets=config.lora_targets,
-        gradient_accumulation_steps=run.batch.gradient_accumulation_steps, lora_dropout=config.lora_dropout,
+        gradient_checkpointing=config.gradient_checkpointing, checkpointed_layers=config.gradient_checkpointing_layers,
+        lora_r=config.lora_r, lora_targets=config.lora_targets, lora_dropout=config.lora_dropout,
+        gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
         # switches left unset resolve on the device (train.speedups); plan Liger and compilation as
         # off, and the chunked loss as the run resolves it

@@ -59,7 +59,8 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
     request = Request(model=w.model, gpu=gpu, gpus_per_node=w.gpus_per_node, nodes=w.nodes, method=w.method,
                       strategy=w.strategy, offload=w.offload, precision=w.precision, optimizer=w.optimizer,
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
-                      gradient_checkpointing=w.gradient_checkpointing, lora_r=w.lora_r, lora_targets=w.lora_targets,
+                      gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
+                      lora_r=w.lora_r, lora_targets=w.lora_targets,
                       gradient_accumulation_steps=w.gradient_accumulation_steps)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))
@@ -222,6 +223,8 @@ def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_fre
         fixes.append("a smaller --micro-batch-size (with more --gradient-accumulation-steps)")
     if not w.gradient_checkpointing:
         fixes.append("--gradient-checkpointing")
+    elif w.recomputed_layers < w.model.num_layers:
+        fixes.append(f"more --gradient-checkpointing-layers (of {w.model.num_layers}; unset: all)")
     if w.method != "qlora":
         fixes.append("--method qlora" if w.method == "lora" else "--method lora or qlora")
     fixes.append("another strategy or offload")
