@@ -19,7 +19,7 @@
 # KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init checkpoints, caches; default /tmp/finetune-gpukit,
 # reused by a second command on the same machine),
 # KIT_STEPS (default "tests doctor memory"; e.g. "memory" to spend a second command on more rows, "throughput"
-# for the comparison: its 7 rows of a 7B take most of one command), KIT_MEMORY_ARGS (extra memory.py flags,
+# for the comparison: its 10 rows of a 7B, the most telling first, take most of one command), KIT_MEMORY_ARGS (extra memory.py flags,
 # e.g. "--models llama-7b,llama-3.1-8b"), KIT_THROUGHPUT_ARGS (extra throughput.py flags, e.g. "--method qlora
 # --micro-batch-size 4").
 set -euo pipefail

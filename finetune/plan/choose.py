@@ -215,23 +215,26 @@ def settle(request: Request, w: Workload) -> Workload:
     leave headroom. Without checkpointing where that is as fast (SPEED_TIE)."""
     options = (False, True) if request.gradient_checkpointing is None else (request.gradient_checkpointing,)
     open_layers = request.gradient_checkpointing_layers is None
-    settled = []
+    without = None  # the plan without checkpointing, once it fits
     for checkpointing in options:
         candidate = replace(w, gradient_checkpointing=checkpointing)
-        partial = checkpointing and open_layers
-        if request.micro_batch_size is not None:
+        if request.micro_batch_size is not None:  # no checkpointing is the faster at the same micro batch
             if fits(candidate):
-                settled.append(fewest_checkpointed(candidate) if partial else candidate)
+                return fewest_checkpointed(candidate) if checkpointing and open_layers else candidate
             continue
         micro = largest_micro_batch(candidate)
-        if micro:
-            settled.append(fastest_partial_checkpointing(candidate, micro) if partial else candidate.with_micro_batch(micro))
-    if not settled:
-        return replace(w, gradient_checkpointing=options[-1])  # the smallest footprint, shown as not fitting
-    first, *others = settled
-    fastest = max(settled, key=lambda s: estimate_speed(s).tokens_per_second)
-    faster = estimate_speed(fastest).tokens_per_second > (1 + SPEED_TIE) * estimate_speed(first).tokens_per_second
-    return fastest if faster else first
+        if not checkpointing:
+            without = candidate.with_micro_batch(micro) if micro else None
+            continue
+        smallest = without.micro_batch_size + 1 if without else 1  # up to without's, without is the faster
+        if micro < smallest:
+            return without or replace(w, gradient_checkpointing=True)  # the smallest footprint, shown as not fitting
+        settled = fastest_partial_checkpointing(candidate, smallest, micro) if open_layers else candidate.with_micro_batch(micro)
+        if without is None:
+            return settled
+        faster = estimate_speed(settled).tokens_per_second > (1 + SPEED_TIE) * estimate_speed(without).tokens_per_second
+        return settled if faster else without
+    return without or replace(w, gradient_checkpointing=options[-1])  # the smallest footprint, shown as not fitting
 
 
 def fewest_checkpointed(w: Workload) -> Workload:
@@ -253,10 +256,11 @@ def fewest_checkpointed(w: Workload) -> Workload:
     return replace(w, checkpointed_layers=None if low == layers else low)
 
 
-def fastest_partial_checkpointing(w: Workload, largest_micro: int) -> Workload:
-    """Fewer checkpointed layers or a larger micro batch: the fastest of the micro batches 1, 2,
-    4, … up to `largest_micro` (which fits with every layer checkpointed), each with its fewest."""
-    micro_batches = sorted({2**k for k in range(largest_micro.bit_length())} | {largest_micro})
+def fastest_partial_checkpointing(w: Workload, smallest: int, largest: int) -> Workload:
+    """Fewer checkpointed layers or a larger micro batch: the fastest of the micro batches from
+    `smallest` to `largest` (which fits with every layer checkpointed; powers of two between), each
+    with its fewest."""
+    micro_batches = sorted({2**k for k in range(largest.bit_length()) if 2**k >= smallest} | {smallest, largest})
     settled = [fewest_checkpointed(w.with_micro_batch(micro)) for micro in micro_batches]
     return max(settled, key=lambda s: estimate_speed(s).tokens_per_second)
 

@@ -9,6 +9,7 @@ bitsandbytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
@@ -34,6 +35,7 @@ class Linear:
         return self.fan_in * self.fan_out
 
 
+@cache  # the planner asks thousands of times per plan while it searches micro batches and checkpointing
 def layer_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """The linears of one decoder layer, in forward order."""
     h, inter = spec.hidden_size, spec.intermediate_size
@@ -110,6 +112,7 @@ class ParamCounts:
         return self.num_layers * self.layer_linear_weights + head
 
 
+@cache
 def count_params(spec: ModelSpec) -> ParamCounts:
     h = spec.hidden_size
     linears = layer_linears(spec)
