@@ -1,9 +1,8 @@
 """From a request with open choices ("auto") to ranked plans, each with its reasons.
 
-Enumerates method × strategy × offload, picks for each the cheapest settings that fit (no
-checkpointing if possible; else as few checkpointed layers as leave headroom, at the micro batch
-that makes that fastest) and the largest micro batch that fits, then recommends the fastest
-fitting plan; ties go to fewer GPUs and less offload.
+Enumerates method × strategy × offload, picks for each the largest micro batch that fits, with
+checkpointing where it is needed or faster, of as few layers as leave headroom, then recommends
+the fastest fitting plan; ties go to fewer GPUs and less offload.
 """
 
 from __future__ import annotations
@@ -218,7 +217,7 @@ def settle(request: Request, w: Workload) -> Workload:
     without = None  # the plan without checkpointing, once it fits
     for checkpointing in options:
         candidate = replace(w, gradient_checkpointing=checkpointing)
-        if request.micro_batch_size is not None:  # no checkpointing is the faster at the same micro batch
+        if request.micro_batch_size is not None:  # at one micro batch, no checkpointing is faster
             if fits(candidate):
                 return fewest_checkpointed(candidate) if checkpointing and open_layers else candidate
             continue
@@ -226,7 +225,7 @@ def settle(request: Request, w: Workload) -> Workload:
         if not checkpointing:
             without = candidate.with_micro_batch(micro) if micro else None
             continue
-        smallest = without.micro_batch_size + 1 if without else 1  # up to without's, without is the faster
+        smallest = without.micro_batch_size + 1 if without else 1  # up to without's, without is faster
         if micro < smallest:
             return without or replace(w, gradient_checkpointing=True)  # the smallest footprint, shown as not fitting
         settled = fastest_partial_checkpointing(candidate, smallest, micro) if open_layers else candidate.with_micro_batch(micro)
