@@ -77,7 +77,8 @@ def train(run: ResolvedRun, device: Device) -> dict:
     summary = fit(session)
     # The model goes before the process group. DDP's C++ reducer holds the group too; when it lets go
     # of it last, gloo joins its worker threads while holding the GIL, which a worker may need to free
-    # a finished collective's tensors: a hang at exit (1 run in ~30 on 2 CPU cores; tests/test_resume_strategies.py).
+    # a finished collective's tensors: a hang at exit (2 of ~28 2-process runs on 2 CPU cores,
+    # tests/test_resume_strategies.py).
     del session
     accelerator.free_memory()
     gc.collect()
