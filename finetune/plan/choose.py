@@ -328,7 +328,7 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         else:
             reasons.append(f"{label}: needs {p.device_gib:.1f} GiB per GPU > {capacity:.1f} GiB even at micro batch 1"
                            + (" with checkpointing" if w.gradient_checkpointing else ""))
-    if w.gradient_checkpointing and w.recomputed_layers < w.model.num_layers:
+    if w.partial_checkpointing:
         every_layer = replace(w, checkpointed_layers=None)
         more_gib = p.device_gib - estimate(every_layer).device(w.world_size) / GIB
         speedup = p.speed.tokens_per_second / estimate_speed(every_layer).tokens_per_second

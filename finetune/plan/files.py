@@ -121,8 +121,8 @@ def checkpointing_flags(w: Workload) -> list[str]:
     """--gradient-checkpointing, with how many layers when the plan recomputes only some."""
     if not w.gradient_checkpointing:
         return []
-    partial = w.recomputed_layers < w.model.num_layers
-    return ["--gradient-checkpointing", *(["--gradient-checkpointing-layers", str(w.recomputed_layers)] if partial else [])]
+    layers = ["--gradient-checkpointing-layers", str(w.recomputed_layers)] if w.partial_checkpointing else []
+    return ["--gradient-checkpointing", *layers]
 
 
 def speed_flags(w: Workload) -> list[str]:

@@ -209,4 +209,4 @@ def checkpointing_cell(w: Workload) -> str:
     """no, all, or N/L: how many of the decoder layers recompute in the backward."""
     if not w.gradient_checkpointing:
         return "no"
-    return "all" if w.recomputed_layers == w.model.num_layers else f"{w.recomputed_layers}/{w.model.num_layers}"
+    return f"{w.recomputed_layers}/{w.model.num_layers}" if w.partial_checkpointing else "all"

@@ -78,6 +78,11 @@ class Workload:
         return layers if self.checkpointed_layers is None else min(self.checkpointed_layers, layers)
 
     @property
+    def partial_checkpointing(self) -> bool:
+        """Checkpointing that leaves the later decoder layers' activations kept."""
+        return 0 < self.recomputed_layers < self.model.num_layers
+
+    @property
     def recompute_share(self) -> float:
         """The share of the forward that checkpointing runs again in the backward."""
         return self.recomputed_layers / self.model.num_layers

@@ -223,7 +223,7 @@ def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_fre
         fixes.append("a smaller --micro-batch-size (with more --gradient-accumulation-steps)")
     if not w.gradient_checkpointing:
         fixes.append("--gradient-checkpointing")
-    elif w.recomputed_layers < w.model.num_layers:
+    elif w.partial_checkpointing:
         fixes.append(f"more --gradient-checkpointing-layers (of {w.model.num_layers}; unset: all)")
     if w.method != "qlora":
         fixes.append("--method qlora" if w.method == "lora" else "--method lora or qlora")

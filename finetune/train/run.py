@@ -80,7 +80,7 @@ def train(run: ResolvedRun, device: Device) -> dict:
     # a finished collective's tensors: a hang at exit (2 of ~28 2-process runs on 2 CPU cores,
     # tests/test_resume_strategies.py).
     del session
-    accelerator.free_memory()
+    accelerator.free_memory()  # drops its references to the prepared model after its own collection, so:
     gc.collect()
     accelerator.end_training()
     return summary
