@@ -278,7 +278,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--updates", type=int, default=8, help="timed optimizer updates per process count")
     parser.add_argument("--warmup-updates", type=int, default=2, help="updates run first and not timed")
     parser.add_argument("--repeats", type=int, default=3, help="launches per process count (interleaved); the table "
-                        f"shows medians and flags a spread above {MAX_SPREAD:.0%} or an efficiency above 100 %% as untrusted")
+                        f"shows medians and flags a spread above {MAX_SPREAD * 100:.0f} %% or an efficiency above 100 %% as untrusted")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--png", metavar="FILE", help="draw tokens/s and efficiency against processes")
     parser.add_argument("--workdir", help="where runs and logs go (default: a new temporary dir, kept)")

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: only when needed to fit")
     parser.add_argument("--gradient-checkpointing-layers", type=int, metavar="N",
                         help="with checkpointing: recompute only the first N decoder layers (default: the fewest that "
-                        f"keep the plan within {PARTIAL_CHECKPOINTING_HEADROOM:.0%} of the GPU)")
+                        f"keep the plan within {PARTIAL_CHECKPOINTING_HEADROOM * 100:.0f} %% of the GPU)")
     parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock); default off")
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,
