@@ -74,6 +74,8 @@ def quiet_libraries() -> None:
     for logger in PARENT_LOGGERS:
         logging.getLogger(logger).setLevel(logging.ERROR)
     os.environ.setdefault(PROGRESS_BARS_VARIABLE, "1")
+    if os.environ[PROGRESS_BARS_VARIABLE] == "1" and "datasets" in sys.modules:  # imported before: too late for the variable
+        sys.modules["datasets"].disable_progress_bars()
     library_logs_to_stderr()
     _DEEPSPEED.quiet = True
     for category in (FutureWarning, DeprecationWarning):

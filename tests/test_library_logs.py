@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO
 
 from finetune.library_logs import PROGRESS_BARS_VARIABLE
 
@@ -79,3 +80,22 @@ def test_plan_simulate_is_quiet_unless_verbose():
     output = result.stdout + result.stderr
     assert "Warning" not in output and "bitsandbytes" not in output
     assert "simulat" in output.lower()  # the comparison itself is printed
+
+
+@pytest.mark.slow  # two subprocesses that tokenize
+def test_prepare_is_quiet_unless_verbose(tmp_path):
+    """datasets is imported with the subcommand, before --verbose is read: its bars are switched off
+    through its API, transformers' ("Writing model shards") too."""
+
+    def prepare(*flags: str) -> subprocess.CompletedProcess:
+        folder = tmp_path / str(len(flags))
+        return subprocess.run(
+            [sys.executable, "-m", "finetune", "prepare", "--dataset", str(REPO / "examples" / "smarthome"), "--eval-split",
+             "test", "--data-cache", str(folder / "cache"), "--output-dir", str(folder / "out"), *flags],  # the tiny init goes there
+            capture_output=True, text=True, timeout=600, check=True,
+            env={**{k: v for k, v in os.environ.items() if k != PROGRESS_BARS_VARIABLE}, "HF_DATASETS_CACHE": str(folder / "datasets")})
+
+    quiet, verbose = prepare(), prepare("--verbose")
+    assert quiet.stderr == "" and "400 train / 50 eval examples (chat)" in quiet.stdout
+    for noise in ("Generating train split", "tokenizing (chat)", "Writing model shards"):
+        assert noise in verbose.stderr, noise  # the noise is real, and --verbose brings it back

@@ -12,13 +12,14 @@ from finetune.models import loading
 from finetune.config.options import parse_config
 from finetune.data import prepare_data
 from finetune.errors import FinetuneError
-from finetune.library_logs import quiet_libraries
+from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
 
 def main(argv: list[str]) -> int:
     config = parse_config(argv)
     if not config.verbose:
         quiet_libraries()
+        quiet_transformers_bars()
     if config.data_cache is not None and config.data_cache.lower() == "none":
         raise FinetuneError("finetune prepare fills the tokenized-data cache; drop --data-cache none.")
     source = loading.materialize(config)  # the same tokenizer files the training run will load
