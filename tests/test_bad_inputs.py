@@ -250,7 +250,11 @@ CASES = [
     case("plan-uncached-hub-id", "plan --model nobody-here/no-such-model --gpus 1xA100-40GB",
          "hf download nobody-here/no-such-model config.json"),
     case("plan-zero-seq-len", "plan --model llama-7b --gpus 1xA100-40GB --seq-len 0", "--seq-len must be ≥ 1, got 0"),
-    case("plan-negative-tokens", "plan --model llama-7b --gpus 1xA100-40GB --tokens -5", "--tokens must be > 0"),
+    case("plan-negative-tokens", "plan --model llama-7b --gpus 1xA100-40GB --tokens -5", "--tokens must be a finite number > 0"),
+    # Infinity/NaN would reach --json, which strict parsers and jq refuse
+    case("plan-infinite-tokens", "plan --model llama-7b --gpus 1xA100-40GB --tokens inf --json", "--tokens must be a finite number > 0",
+         "got inf"),
+    case("plan-nan-tokens", "plan --model llama-7b --gpus 1xA100-40GB --tokens nan", "--tokens must be a finite number > 0"),
     case("plan-unwritable-config-dir", "plan --model llama-7b --gpus 8xH100 --write-config blocker/plan",
          "Cannot write", "blocker", files={"blocker": "a file where a folder should be"}),
 

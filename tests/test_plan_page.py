@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -196,3 +197,24 @@ def test_serve_binds_loopback_by_default_and_answers():
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_only_requests_addressed_to_the_bound_host_are_answered(base_url):
+    """DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1 sends
+    `Host: attacker.example`; it gets 421 and no plan. Loopback names and IP literals are answered."""
+    port = base_url.rsplit(":", 1)[1]
+    for host, status in ((f"attacker.example:{port}", 421), ("attacker.example", 421), (f"localhost:{port}", 200),
+                         (f"127.0.0.1:{port}", 200), (f"LOCALHOST:{port}", 200)):
+        for body in (None, b'{"q": "llama-7b lora on 1xA100 80GB"}'):
+            request = urllib.request.Request(f"{base_url}/api/plan?{urlencode({'q': 'llama-7b on 1xA100 80GB'})}", data=body,
+                                             headers={"Host": host})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answered, payload = response.status, json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                answered, payload = e.code, json.loads(e.read())
+            assert answered == status, (host, body)
+            assert ("result" in payload) == (status == 200)
+    assert serve.host_names("0.0.0.0") >= {"localhost", socket.gethostname().lower()}
+    assert serve.host_names("127.0.0.1") == {"localhost"}
+    assert serve.host_names("planner.lab.internal") == {"localhost", "planner.lab.internal"}

@@ -7,6 +7,8 @@ the fastest fitting plan; ties go to fewer GPUs and less offload.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -130,8 +132,8 @@ def validate(request: Request) -> None:
         problems.append(f"--micro-batch-size must be ≥ 1, got {request.micro_batch_size}")
     if request.host_memory_gib is not None and request.host_memory_gib <= 0:
         problems.append(f"--host-memory must be > 0 GiB, got {request.host_memory_gib:g}")
-    if request.tokens is not None and not request.tokens > 0:
-        problems.append(f"--tokens must be > 0, got {request.tokens:g}")
+    if request.tokens is not None and not 0 < request.tokens < math.inf:  # inf: no hours, and not JSON
+        problems.append(f"--tokens must be a finite number > 0 (e.g. 1e9), got {request.tokens:g}")
     if problems:
         raise FinetuneError("Cannot plan this request:\n  - " + "\n  - ".join(problems))
 

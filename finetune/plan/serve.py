@@ -5,14 +5,18 @@ at start) and a JSON API; the planner is torch-free, so an answer takes millisec
 means (form fields → flags → plans) is the caller's `answer` function: `finetune plan`'s command
 module owns the flags, this module owns HTTP.
 
-Safe by default: binds 127.0.0.1 unless told otherwise, refuses bodies and URLs above a few kB with
-413, serves only the files listed in STATIC (no path from a request reaches the disk), and never
-runs model code (a pasted config.json is parsed as JSON by the answer function).
+Safe by default: binds 127.0.0.1 unless told otherwise, answers only requests addressed to the host
+names it was bound for (a Host header naming another site is how a page in the same browser reaches
+a local server by DNS rebinding: 421), refuses bodies and URLs above a few kB with 413, serves only
+the files listed in STATIC (no path from a request reaches the disk), and never runs model code (a
+pasted config.json is parsed as JSON by the answer function).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -84,8 +88,11 @@ class PlanHandler(BaseHTTPRequestHandler):
 
     server_version = "finetune-plan"
     answer: Answer  # set by `handler_for`
+    host_names: frozenset[str]  # set by `handler_for`: names besides IP literals the Host header may give
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if not self._addressed_to_us():
+            return
         if len(self.path) > MAX_URL_BYTES:
             return self._send_json(413, _error(f"URL longer than {MAX_URL_BYTES} bytes"))
         url = urlsplit(self.path)
@@ -99,6 +106,8 @@ class PlanHandler(BaseHTTPRequestHandler):
         self._send_json(404, _error(f"no page at {url.path}"))
 
     def do_POST(self) -> None:  # noqa: N802
+        if not self._addressed_to_us():
+            return
         if urlsplit(self.path).path != "/api/plan":
             return self._send_json(404, _error("POST goes to /api/plan"))
         if "chunked" in self.headers.get("Transfer-Encoding", ""):
@@ -117,6 +126,16 @@ class PlanHandler(BaseHTTPRequestHandler):
         if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
             return self._send_json(400, _error("send a JSON object of strings, one per field"))
         self._answer(fields)
+
+    def _addressed_to_us(self) -> bool:
+        """An IP literal or a name the server was bound for: a rebound name (an attacker's domain that
+        now resolves to 127.0.0.1) is neither. Sends 421 and returns False otherwise."""
+        name = urlsplit(f"//{self.headers.get('Host', '')}").hostname or ""
+        if is_ip_literal(name) or name in type(self).host_names:
+            return True
+        self._send_json(421, _error(f"this server answers requests for {', '.join(sorted(type(self).host_names))} "
+                                    "or its IP addresses, not for the Host header sent"))
+        return False
 
     def _answer(self, fields: dict[str, str]) -> None:
         try:
@@ -147,20 +166,39 @@ def _error(message: str) -> dict:
     return {"errors": [{"field": None, "message": message}]}
 
 
-def handler_for(answer: Answer) -> type[PlanHandler]:
-    """A handler class that answers with `answer`, remembering the last ANSWER_CACHE answers: the
-    planner is a pure function of the fields, and a page often asks again (undo, back, a shared link)."""
+def is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_names(host: str) -> frozenset[str]:
+    """The names a request may address the server by when it listens on `host`: localhost, the
+    --host name itself, and this machine's names when it listens on every interface."""
+    names = {"localhost", host.lower()}
+    if is_ip_literal(host) and ipaddress.ip_address(host).is_unspecified:
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return frozenset(name for name in names if not is_ip_literal(name))
+
+
+def handler_for(answer: Answer, names: frozenset[str]) -> type[PlanHandler]:
+    """A handler class that answers requests addressed to `names` (or an IP) with `answer`, remembering
+    the last ANSWER_CACHE answers: the planner is a pure function of the fields, and a page often asks
+    again (undo, back, a shared link)."""
     @lru_cache(maxsize=ANSWER_CACHE)
     def remembered(key: tuple[tuple[str, str], ...]) -> tuple[int, dict]:
         return answer(dict(key))
 
-    return type("BoundPlanHandler", (PlanHandler,), {"answer": staticmethod(lambda fields: remembered(tuple(sorted(fields.items()))))})
+    return type("BoundPlanHandler", (PlanHandler,), {
+        "answer": staticmethod(lambda fields: remembered(tuple(sorted(fields.items())))), "host_names": names})
 
 
 def start(host: str, port: int, answer: Answer) -> ThreadingHTTPServer:
     """A bound server (port 0: a free one), not yet serving; call serve_forever()."""
     try:
-        server = ThreadingHTTPServer((host, port), handler_for(answer))
+        server = ThreadingHTTPServer((host, port), handler_for(answer, host_names(host)))
     except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
         why = str(getattr(e, "strerror", None) or e).rstrip(".")
         raise FinetuneError(f"Cannot listen on {host}:{port}: {why}. Pick another --host or --port.") from e
