@@ -61,7 +61,7 @@ class TrainConfig:
     train_on_prompt: bool = _field(False, "Also compute the loss on prompt tokens (default: response only).")
     max_seq_len: int = _field(256, "Truncate (or pack) examples to this many tokens.")
     packing: bool = _field(False, "Pack examples into full sequences; attention never crosses examples.")
-    group_by_length: bool = _field(True, "Batch rows of similar lengths (shuffled megabatches sorted by length, the Trainer's group_by_length): less padding; --no-group-by-length for uniformly random batches. No effect with --packing.")
+    group_by_length: bool = _field(True, "Within each update's uniformly random rows, micro-batches of similar lengths: less padding when an update is split (accumulation, ranks), the same rows per update as --no-group-by-length, so the same learning. Not the Trainer's group_by_length, which makes whole updates one length class. No effect with --packing.")
     eval_split: str = _field("0.05", "Eval data: a split name of the dataset, or a fraction of train held out.")
     max_eval_examples: int = _field(200, "Cap on eval examples (0: no evaluation at all).")
     data_cache: str | None = _field(None, "Directory for tokenized data, reused by later runs with the same data, tokenizer and options (unset: $FINETUNE_DATA_CACHE, else ~/.cache/finetune/data); none: no cache.")

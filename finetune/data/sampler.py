@@ -1,16 +1,22 @@
-"""Which rows share a micro-batch: random, but of similar lengths, so a batch pads little.
+"""Which rows share a micro-batch: each update's rows are uniformly random, ordered by length inside it.
 
-Batches are padded to their longest row, so uniformly random batches of rows whose lengths vary
-spend part of every forward and backward on padding. The rows are shuffled, cut into megabatches
-of up to 50 global batches, and sorted by length within each (transformers'
-`get_length_grouped_indices`, the Trainer's `group_by_length`): batches stay random in content
-and order, and each one's rows are close in length. The batch holding the longest row comes first,
-so a run that will not fit fails in its first update.
+Batches are padded to their longest row, so when an update is split into several micro-batches
+(gradient accumulation, or ranks) a uniformly random split pads every micro-batch to a long row.
+Here the rows are shuffled exactly as without grouping (the permutation Accelerate's seedable
+sampler draws for the same seed and epoch), cut into global batches (one update's rows), and each
+global batch is sorted longest first, so its micro-batches are close in length.
 
-The order depends only on the seed, the epoch and `group_size`, the global batch (one update's
-rows): a resumed run replays it exactly (`set_epoch`, Accelerate's `skip_first_batches`), and every
-split of the same global batch into micro-batches, accumulation and ranks (DDP, FSDP, ZeRO) gives
-each update the same rows.
+Which rows an update sees is therefore the same as with uniformly random batches: the loss is
+token-weighted over the whole update (train/loop.py), so the update's gradient is the same up to the
+order of floating-point sums, and what the model learns cannot change. Grouping across updates (the
+Trainer's `group_by_length`: megabatches of 50 updates sorted by length) pads less, but makes each
+update one length class; on the embedded default, where length nearly determines the task, it cut
+held-out exact match from 73 % to 15 % (bench/quality.py). With micro-batch = global batch (one
+process, no accumulation) nothing is saved and nothing changes.
+
+The order depends only on the seed, the epoch and `group_size`: a resumed run replays it exactly
+(`set_epoch`, Accelerate's `skip_first_batches`), and every split of the same global batch into
+micro-batches, accumulation and ranks gives each update the same rows.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
-from transformers.trainer_pt_utils import get_length_grouped_indices
 
 
-class LengthGroupedSampler(Sampler[int]):
+class UpdateSortedSampler(Sampler[int]):
+    """Not a `RandomSampler` subclass on purpose: Accelerate would replace it by its own."""
+
     def __init__(self, lengths: Sequence[int], group_size: int, seed: int):
         self.lengths = list(lengths)
         self.group_size = group_size
@@ -33,8 +40,10 @@ class LengthGroupedSampler(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)  # as SeedableRandomSampler seeds
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        for start in range(0, len(order), self.group_size):
+            yield from sorted(order[start:start + self.group_size], key=lambda row: -self.lengths[row])
 
     def __len__(self) -> int:
         return len(self.lengths)

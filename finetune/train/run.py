@@ -28,7 +28,7 @@ from finetune.checkpoint.progress import Progress
 from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
-from finetune.data.sampler import LengthGroupedSampler, row_lengths
+from finetune.data.sampler import UpdateSortedSampler, row_lengths
 from finetune.models import loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
@@ -166,10 +166,10 @@ def setup(run: ResolvedRun, device: Device) -> Session:
 
 
 def train_dataloader(rows, batch: BatchShape, config: TrainConfig, collator: Collator) -> DataLoader:
-    """Micro-batches of rows of similar lengths (data/sampler.py), or uniformly random ones with
-    --no-group-by-length or --packing (packed rows are all one length)."""
+    """Uniformly random updates whose micro-batches are grouped by length (data/sampler.py), or
+    uniformly random micro-batches with --no-group-by-length or --packing (packed rows are all one length)."""
     if config.group_by_length and not config.packing:
-        sampler = LengthGroupedSampler(row_lengths(rows), batch.global_batch_size, config.seed)
+        sampler = UpdateSortedSampler(row_lengths(rows), batch.global_batch_size, config.seed)
         return DataLoader(rows, batch_size=batch.micro_batch_size, sampler=sampler, collate_fn=collator)
     return DataLoader(rows, batch_size=batch.micro_batch_size, shuffle=True, collate_fn=collator)
 
