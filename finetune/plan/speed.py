@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
-from finetune.plan.traffic import kernel_launches, traffic
+from finetune.plan.traffic import kernel_launches, layer_kernels, traffic
 from finetune.plan.workload import Workload
 
 
@@ -72,6 +72,9 @@ CALIBRATION = Calibration(
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
+# Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
+# gradient's scatter and cast, the two gradient matmuls (models/chunked_loss.py).
+CHUNK_KERNELS = 18
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
 SMALL_HEAD_ATTENTION = 0.85
@@ -261,7 +264,17 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     dequant = 0.0
     if w.method == "qlora":  # each 4-bit linear is dequantized in the forward, the backward and any recompute
         dequant = layers * len(layer_linears(w.model)) * (2 + w.recompute_share) * c.dequant_issue_s
-    return passes * per_pass + dequant
+    return passes * per_pass + dequant + loss_issue_seconds(w, c)
+
+
+def loss_issue_seconds(w: Workload, c: Calibration) -> float:
+    """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
+    fewer tokens the larger the vocabulary (memory.chunk_tokens), each kernel at a decoder layer's
+    issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
+    if w.loss != "finetune-chunked":
+        return 0.0
+    chunks = math.ceil(w.tokens_per_micro_batch / chunk_tokens(w.model.vocab_size))
+    return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)
 
 
 def gpu_seconds(w: Workload, c: Calibration) -> float:

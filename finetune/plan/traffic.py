@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from finetune.plan.memory import model_states, residual_bytes, trainable_params
 from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
+from finetune.models.catalog import ModelSpec
 from finetune.plan.workload import Workload
 
 # Bytes per element of the hidden state, per RMSNorm, forward (16-bit stream): upcast (2 + 4),
@@ -120,6 +121,11 @@ def adapter_forward_bytes(w: Workload) -> float:
         per_in, per_out = cast + a, 3 * a + (e + 2 * a) + cast  # out: B's output, the scale, the add, the cast back
     return sum(per_in * linear.fan_in + per_out * linear.fan_out for linear in layer_linears(w.model)
                if linear.name in targets)
+
+
+def layer_kernels(spec: ModelSpec) -> int:
+    """Kernels an eager decoder layer without adapters launches, forward and backward."""
+    return (LAYER_KERNELS["eager"] + len(layer_linears(spec))) * (1 + BACKWARD_KERNELS)
 
 
 def kernel_launches(w: Workload) -> float:
