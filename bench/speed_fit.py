@@ -3,7 +3,7 @@ how far the model carries: errors on rows, shape families and chips it was not f
 
     python bench/speed_fit.py                      # the committed CALIBRATION: every row, in and out of sample
     python bench/speed_fit.py --fit                # refit (prints CALIBRATION, MEASURED and SPREAD to paste)
-    python bench/speed_fit.py --markdown           # the same tables for bench/RESULTS.md
+    python bench/speed_fit.py --no-cross-validation  # in sample only (seconds instead of ~20)
 
 Rows: finetune's runs in bench/gpu/measured/*.csv (one H100 80GB; other programs' rows there are
 shown, and the ratio of TRL SFTTrainer with and without `use_liger_kernel` is fitted, since finetune

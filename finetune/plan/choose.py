@@ -20,7 +20,8 @@ from finetune.plan.gpus import GPUSpec
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
 from finetune.plan.memory import GIB, Breakdown, estimate
-from finetune.plan.speed import Speed, estimate_speed
+from finetune.plan.speed import (CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds,
+                                  issue_seconds)
 from finetune.plan.workload import Workload
 from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
                                    Precision, Strategy, check_precision, default_precision, named, uses_chunked_loss)
@@ -377,6 +378,8 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         reasons.append(f"checkpointing: the first {w.recomputed_layers} of {w.model.num_layers} layers recompute in the "
                        f"backward, the others keep their activations ({more_gib:.1f} GiB more than checkpointing all, "
                        f"{speedup:.2f}× the tokens/s)")
+    if w.method == "qlora":
+        reasons.append(dequantization_reason(w, p.speed))
     if p.fits_host and w.offload != "none":
         reasons.append(f"offload: {host}, PCIe copies every step")
     if p.speed.comm_bound:
@@ -392,7 +395,7 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
                            f"{fastest.speed.tokens_per_second:,.0f} tokens/s, likely from {fastest.speed.low:,.0f}): "
                            f"the speed model cannot tell them apart; tie-break: {tie_break(p, fastest)}")
         else:
-            reasons.append(f"recommended: fastest plan that fits ({speed})")
+            reasons.append(f"recommended: fastest plan that fits: {speed}")
         reasons.append(f"speed {p.speed.basis}")
     elif best is not None and p.fits:
         if _tied(p, fastest):
@@ -406,6 +409,16 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
 def speed_span(speed: Speed) -> str:
     """'4,800–8,000 tokens/s' style bounds of the likely range (without the unit)."""
     return f"{speed.low:,.0f}–{speed.high:,.0f}"
+
+
+def dequantization_reason(w: Workload, speed: Speed) -> str:
+    """What dequantizing the 4-bit base in every forward, backward and recompute costs, on the clock
+    that sets the pace."""
+    host, gpu = dequantization_seconds(w)
+    clock, name = (issue_seconds(w, CALIBRATION), "host's") if speed.launch_bound else (gpu_seconds(w, CALIBRATION), "GPU's")
+    spent = host if speed.launch_bound else gpu
+    return (f"QLoRA dequantizes the 4-bit base in every forward and backward: {spent * 1e3:,.0f} of the {name} "
+            f"{clock * 1e3:,.0f} ms per micro-batch ({spent / clock:.0%})")
 
 
 def describe(w: Workload) -> str:

@@ -134,8 +134,19 @@ def kernel_launches(w: Workload) -> float:
     linears = len(layer_linears(w.model))
     adapted = 0 if w.method == "full" else len(resolve_lora_targets(w.model, w.lora_targets))
     forward = LAYER_KERNELS[kernels(w)] + linears + adapted * (ADAPTER_KERNELS + (w.method == "qlora"))
-    forward += linears * DEQUANT_KERNELS if w.method == "qlora" else 0
-    return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS)
+    return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS) + dequantizations(w) * DEQUANT_KERNELS
+
+
+def dequantizations(w: Workload) -> float:
+    """4-bit linears dequantized per micro-batch: each in the forward, the backward and any recompute."""
+    if w.method != "qlora":
+        return 0.0
+    return w.model.num_layers * len(layer_linears(w.model)) * (2 + w.recompute_share)
+
+
+def dequantized_bytes(w: Workload) -> float:
+    """Bytes bitsandbytes moves per micro-batch turning the 4-bit base into 16-bit weights."""
+    return count_params(w.model).quantizable * DEQUANT_BYTES * (2 + w.recompute_share) if w.method == "qlora" else 0.0
 
 
 def traffic(w: Workload) -> Traffic:
@@ -147,9 +158,7 @@ def traffic(w: Workload) -> Traffic:
     passes = 1 + w.recompute_share + BACKWARD_TRAFFIC
     per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)]
     counts = count_params(spec)
-    per_micro_batch = 0.0
-    if w.method == "qlora":
-        per_micro_batch += counts.quantizable * DEQUANT_BYTES * (2 + w.recompute_share)
+    per_micro_batch = dequantized_bytes(w)
     if w.precision.mixed and w.method == "full" and not w.strategy.computes_on_copies:
         per_micro_batch += counts.matmul * AUTOCAST_WEIGHT_BYTES * (1 + w.recompute_share)
     trainable = trainable_params(w)
