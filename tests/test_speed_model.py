@@ -53,7 +53,11 @@ def test_the_committed_measurements_cover_models_methods_shapes_and_two_chips():
     assert all(r["device"] and r["model"] and r["tokens_per_second"] for r in ROWS)
 
 
-@pytest.mark.parametrize("row", FITTED, ids=lambda r: f"{r['device']}-{r['model'].split('/')[-1]}-{r['method']}-s{r['seq_len']}-b{r['micro_batch_size']}")
+def row_id(r: dict) -> str:
+    return f"{r['device']}-{r['model'].split('/')[-1]}-{r['method']}-s{r['seq_len']}-b{r['micro_batch_size']}"
+
+
+@pytest.mark.parametrize("row", FITTED, ids=row_id)
 def test_planned_tokens_per_second_within_25_percent_of_every_fitted_row(row):
     assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=speed_fit.TOLERANCE)
 
