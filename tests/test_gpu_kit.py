@@ -82,14 +82,33 @@ def test_grid_covers_every_combination_with_base_cases_first():
     assert {(r.seq_len, r.gradient_checkpointing, r.micro_batch_size) for r in first} == {(512, False, 1)}
 
 
+def test_rows_the_speed_fit_is_least_sure_of_come_first():
+    """On an H100, shape families measured there (method, size band, sequence band: a 1B LoRA at
+    seq 512, a 7B LoRA at 4k stands for a 3B at 2k) wait until the families never measured have run;
+    each group keeps the grid's order."""
+    rows = memory.grid()
+    ordered = memory.least_sure_first(rows, "H100-80GB")
+    assert sorted(ordered, key=rows.index) == rows
+
+    def position(model, method, seq):
+        return min(i for i, r in enumerate(ordered) if (r.model, r.method, r.seq_len) == (model, method, seq))
+
+    unsure = [("llama-7b", "lora", 512), ("llama-3.2-1b", "qlora", 2048), ("llama-3.2-3b", "qlora", 512)]
+    sure = [("llama-3.2-1b", "lora", 512), ("llama-3.2-3b", "lora", 2048), ("llama-3.1-8b", "qlora", 2048)]
+    assert max(position(*row) for row in unsure) < min(position(*row) for row in sure)
+    assert memory.least_sure_first(rows, "H200") == ordered  # an H200 is an H100 chip
+
+
 def test_dry_run_lists_rows_with_the_planners_predictions(tmp_path):
     result = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--gpu", "A100-40GB", "--limit", "4",
                              "--methods", "full,qlora", "--models", "llama-3.2-1b,llama-7b", "--out", str(tmp_path),
                              "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader((tmp_path / "memory.csv").open()))
-    assert [(r["model"], r["method"]) for r in rows] == [("llama-3.2-1b", "full"), ("llama-3.2-1b", "qlora"),
-                                                         ("llama-7b", "full"), ("llama-7b", "qlora")]
+    # least sure first: LLaMA-Factory measured a 7B QLoRA at 1k tokens on the A100, so that row waits
+    assert [(r["model"], r["method"], r["seq_len"]) for r in rows] == [
+        ("llama-3.2-1b", "full", "512"), ("llama-3.2-1b", "qlora", "512"), ("llama-7b", "full", "512"),
+        ("llama-3.2-1b", "full", "2048")]
     status = {(r["model"], r["method"]): r["status"] for r in rows}
     assert status[("llama-3.2-1b", "qlora")] == "dry run"
     assert status[("llama-7b", "full")].startswith("skipped: predicted")  # ~16 B/parameter > 40 GB

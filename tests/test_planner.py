@@ -167,12 +167,12 @@ def test_llama_70b_qlora_fits_2x24GB_with_fsdp_and_param_offload():
     assert not fits(replace(w, strategy="ddp", offload="none"))
 
 
-def test_recommendation_is_fastest_fitting_and_reasons_name_losers():
+def test_recommendation_is_tied_with_the_fastest_fitting_and_reasons_name_losers():
     request = Request(model=LLAMA_7B, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="full")
     plans, best = plan(request)
     assert best == 0 and plans[0].fits
-    fitting = [p for p in plans if p.fits]
-    assert max(p.speed.tokens_per_second for p in fitting) <= plans[0].speed.tokens_per_second * 1.04
+    fastest = max((p for p in plans if p.fits), key=lambda p: p.speed.tokens_per_second)
+    assert fastest.speed.low <= plans[0].speed.tokens_per_second <= fastest.speed.tokens_per_second
     zero2 = next(p for p in plans if p.workload.strategy.name == "zero2" and p.workload.offload == "none")
     assert not zero2.fits and "optimizer states alone" in zero2.reasons[0]
 

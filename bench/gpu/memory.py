@@ -10,7 +10,9 @@ rows of exactly --max-seq-len tokens; the run's metrics.jsonl gives torch.cuda.m
 max_memory_reserved and tokens/s (median over the updates after the first). Rows come in priority
 order, so the first minutes cover every model and method at short sequences; rows the planner says
 do not fit are listed, not run; a time guard stops adding rows when the next would end after the
-deadline. Writes memory.md (a table with device, date and versions) and memory.csv.
+deadline. Rows the speed model is least sure of on this GPU (shape families never measured on its
+chip) run before rows like those already measured (`least_sure_first`). Writes memory.md (a table
+with device, date and versions) and memory.csv.
 """
 
 from __future__ import annotations
@@ -90,6 +92,26 @@ class Row:
 
 def grid(models=MODELS, methods=METHODS) -> list[Row]:
     return [Row(model, method, seq, ckpt, micro) for seq, ckpt, micro in VARIANTS for model in models for method in methods]
+
+
+def least_sure_first(rows: list[Row], gpu: str) -> list[Row]:
+    """The rows whose planned speed the fit is least sure of on `gpu` first (the widest likely range:
+    shape families never measured on its chip before measured ones, plan/speed_range.py); rows
+    equally sure keep their order."""
+    from finetune.plan.speed_range import speed_range
+    from finetune.plan.speed import CALIBRATION
+    from finetune.plan.workload import Workload
+
+    spec = gpu_catalog.get(gpu)
+
+    def width(row: Row) -> float:
+        w = Workload(model=catalog_model(row.model), gpu=spec, gpus_per_node=1, method=row.method, strategy="single",
+                     offload="none", precision=row.precision, optimizer="adamw", micro_batch_size=row.micro_batch_size,
+                     seq_len=row.seq_len, gradient_checkpointing=row.gradient_checkpointing)
+        likely = speed_range(w, tuple(CALIBRATION.matmul_efficiency))
+        return likely.high / likely.low
+
+    return sorted(rows, key=width, reverse=True)
 
 
 def predict(row: Row, gpu: str, data: Path | str, output_dir: Path | str) -> dict:
@@ -287,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run and args.gpu is None:
         args.gpu = "H100-80GB"
     gpu, capacity, device = device_description(args.gpu)
-    rows = grid(args.models.split(","), args.methods.split(","))[: args.limit]
+    rows = least_sure_first(grid(args.models.split(","), args.methods.split(",")), gpu)[: args.limit]
     work = args.work or DEFAULT_WORK
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(rows)} rows on {device}", flush=True)

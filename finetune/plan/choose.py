@@ -2,7 +2,11 @@
 
 Enumerates method × strategy × offload, picks for each the largest micro batch that fits, with
 checkpointing where it is needed or faster, of as few layers as leave headroom, then recommends
-the fastest fitting plan; ties go to fewer GPUs and less offload.
+the fastest fitting plan. Every plan whose speed lies within the fastest plan's likely range
+(plan/speed_range.py) is tied with it: the speed model cannot tell them apart. Ties go to fewer
+GPUs, then less offload (host RAM and PCIe copies every step, unmeasured), then the method that
+changes the model least (full, then LoRA, then QLoRA, which quantizes the base), then the simpler
+strategy (one GPU, DDP, then sharding), then less memory per GPU.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ from finetune.plan.gpus import GPUSpec
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
 from finetune.plan.memory import GIB, Breakdown, estimate
-from finetune.plan.speed import Speed, estimate_speed
+from finetune.plan.speed import (CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds,
+                                  issue_seconds)
 from finetune.plan.workload import Workload
 from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
                                    Precision, Strategy, check_precision, default_precision, named, uses_chunked_loss)
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64
-# Plans whose speed differs by less than this fraction count as tied.
+# While settling one candidate's checkpointing: speeds within this fraction count as the same
+# (between plans, the fastest plan's likely range decides ties: see `rank`).
 SPEED_TIE = 0.03
+# Tie-breaks, in order: the method that changes the model least (QLoRA trains on a quantized base),
+# the simpler strategy (sharding adds a layer a model that fits without it does not need).
+METHOD_RANK = {"full": 0, "lora": 1, "qlora": 2}
 # Layers are left un-checkpointed only while the plan stays within this share of the GPU's memory:
 # the memory model is within ~5 % of measured, and running out costs more than the recompute saves.
 PARTIAL_CHECKPOINTING_HEADROOM = 0.9
@@ -97,12 +106,20 @@ class Plan:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
-    def hours(self, tokens: float | None) -> float | None:
-        return tokens / self.speed.tokens_per_second / 3600 if tokens else None
+    def hours(self, tokens: float | None, tokens_per_second: float | None = None) -> float | None:
+        """Hours to train `tokens` at the plan's tokens/s (or at `tokens_per_second`, e.g. a bound of its range)."""
+        return tokens / (tokens_per_second or self.speed.tokens_per_second) / 3600 if tokens else None
 
-    def cost_usd(self, tokens: float | None) -> float | None:
-        hours = self.hours(tokens)
+    def cost_usd(self, tokens: float | None, tokens_per_second: float | None = None) -> float | None:
+        hours = self.hours(tokens, tokens_per_second)
         return hours * self.workload.world_size * self.workload.gpu.usd_per_hour if hours is not None else None
+
+    def hours_likely(self, tokens: float | None) -> tuple[float, float] | None:
+        """(fewest, most) hours over the likely range of tokens/s."""
+        return (self.hours(tokens, self.speed.high), self.hours(tokens, self.speed.low)) if tokens else None
+
+    def cost_likely(self, tokens: float | None) -> tuple[float, float] | None:
+        return (self.cost_usd(tokens, self.speed.high), self.cost_usd(tokens, self.speed.low)) if tokens else None
 
 
 def validate(request: Request) -> None:
@@ -278,22 +295,46 @@ def plan(request: Request) -> tuple[list[Plan], int | None]:
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
-    """Fitting plans first. Among them, every plan within SPEED_TIE of the fastest counts as tied
-    with it, and ties go to fewer GPUs, then less offload, then less memory per GPU; slower plans
-    follow, fastest first. Plans that do not fit come last, smallest first."""
+    """Fitting plans first. Among them, every plan within the fastest plan's likely range counts as
+    tied with it, and ties go by `preference`; slower plans follow, fastest first. Plans that do not
+    fit come last, smallest first."""
     fitting = [p for p in plans if p.fits]
-    top = max((p.speed.tokens_per_second for p in fitting), default=0.0)
+    fastest = max(fitting, key=lambda p: p.speed.tokens_per_second, default=None)
 
-    def preference(p: Plan) -> tuple:
-        shape = (p.workload.world_size, OFFLOAD_RANK[p.workload.offload], p.device_gib)
-        return (0, 0.0, *shape) if _tied(p, top) else (1, -p.speed.tokens_per_second, *shape)
+    def order(p: Plan) -> tuple:
+        return (0, 0.0, *preference(p)) if _tied(p, fastest) else (1, -p.speed.tokens_per_second, *preference(p))
 
     failing = sorted((p for p in plans if not p.fits), key=lambda p: (p.device_gib, p.host_gib))
-    return sorted(fitting, key=preference) + failing
+    return sorted(fitting, key=order) + failing
 
 
-def _tied(p: Plan, fastest: float) -> bool:
-    return p.speed.tokens_per_second >= fastest * (1 - SPEED_TIE)
+def preference(p: Plan) -> tuple:
+    """What decides between tied plans, in order (TIE_BREAKS names each)."""
+    w = p.workload
+    return (w.world_size, OFFLOAD_RANK[w.offload], METHOD_RANK[w.method], strategy_rank(w.strategy), p.device_gib)
+
+
+def strategy_rank(strategy: Strategy) -> int:
+    """One GPU, DDP (a full copy per GPU), then any sharding (FSDP2, ZeRO-1/2/3)."""
+    return 0 if not strategy.distributed else 1 if strategy.ddp else 2
+
+
+def tie_break(chosen: Plan, other: Plan) -> str:
+    """Which preference put `chosen` before `other`, in words."""
+    a, b = chosen.workload, other.workload
+    reasons = (
+        f"fewer GPUs ({a.world_size} vs {b.world_size})",
+        f"less offload ({a.offload} vs {b.offload})",
+        f"the method that changes the model least ({a.method} before {b.method})",
+        f"the simpler strategy ({a.strategy.label} before {b.strategy.label})",
+        f"less memory ({chosen.device_gib:.1f} vs {other.device_gib:.1f} GiB per GPU)",
+    )
+    decided = next((i for i, (x, y) in enumerate(zip(preference(chosen), preference(other))) if x != y), len(reasons) - 1)
+    return reasons[decided]
+
+
+def _tied(p: Plan, fastest: Plan | None) -> bool:
+    return fastest is not None and p.speed.tokens_per_second >= fastest.speed.low
 
 
 def _drop_needless_offload(plans: list[Plan], explicit: bool) -> list[Plan]:
@@ -337,6 +378,8 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         reasons.append(f"checkpointing: the first {w.recomputed_layers} of {w.model.num_layers} layers recompute in the "
                        f"backward, the others keep their activations ({more_gib:.1f} GiB more than checkpointing all, "
                        f"{speedup:.2f}× the tokens/s)")
+    if w.method == "qlora":
+        reasons.append(dequantization_reason(w, p.speed))
     if p.fits_host and w.offload != "none":
         reasons.append(f"offload: {host}, PCIe copies every step")
     if p.speed.comm_bound:
@@ -344,22 +387,38 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
             f"communication-bound over {w.gpu.interconnect if w.nodes == 1 else 'the network'}: "
             f"{p.speed.comm_s_per_token * 1e6:.0f} µs of communication vs {p.speed.compute_s_per_token * 1e6:.0f} µs compute per token"
         )
-    speed = f"{p.speed.tokens_per_second:,.0f} tokens/s"
+    speed = f"{p.speed.tokens_per_second:,.0f} tokens/s (likely {speed_span(p.speed)})"
     fastest = max((q for q in ranked if q.fits), key=lambda q: q.speed.tokens_per_second, default=None)
     if best is p:
         if fastest is not None and fastest is not p:
-            reasons.append(f"recommended: {speed}, within {SPEED_TIE:.0%} of the fastest fitting plan "
-                           f"({describe(fastest.workload)}, {fastest.speed.tokens_per_second:,.0f} tokens/s), which counts "
-                           "as a tie; ties go to fewer GPUs, then less offload, then less memory")
+            reasons.append(f"recommended: {speed}; tied with the fastest fitting plan ({describe(fastest.workload)}, "
+                           f"{fastest.speed.tokens_per_second:,.0f} tokens/s, likely from {fastest.speed.low:,.0f}): "
+                           f"the speed model cannot tell them apart; tie-break: {tie_break(p, fastest)}")
         else:
-            reasons.append(f"recommended: fastest plan that fits ({speed})")
+            reasons.append(f"recommended: fastest plan that fits: {speed}")
+        reasons.append(f"speed {p.speed.basis}")
     elif best is not None and p.fits:
-        if _tied(p, fastest.speed.tokens_per_second):
-            reasons.append(f"tied on speed with {describe(best.workload)} ({speed}, within {SPEED_TIE:.0%}) but needs "
-                           "more GPUs, offload or memory")
+        if _tied(p, fastest):
+            reasons.append(f"tied on speed with {describe(best.workload)} ({speed}, within the fastest plan's likely "
+                           f"range); tie-break: {tie_break(best, p)}")
         else:
             reasons.append(f"slower than {describe(best.workload)}: {speed} vs {best.speed.tokens_per_second:,.0f} tokens/s")
     return tuple(reasons)
+
+
+def speed_span(speed: Speed) -> str:
+    """'4,800–8,000 tokens/s' style bounds of the likely range (without the unit)."""
+    return f"{speed.low:,.0f}–{speed.high:,.0f}"
+
+
+def dequantization_reason(w: Workload, speed: Speed) -> str:
+    """What dequantizing the 4-bit base in every forward, backward and recompute costs, on the clock
+    that sets the pace."""
+    host, gpu = dequantization_seconds(w)
+    clock, name = (issue_seconds(w, CALIBRATION), "host's") if speed.launch_bound else (gpu_seconds(w, CALIBRATION), "GPU's")
+    spent = host if speed.launch_bound else gpu
+    return (f"QLoRA dequantizes the 4-bit base in every forward and backward: {spent * 1e3:,.0f} of the {name} "
+            f"{clock * 1e3:,.0f} ms per micro-batch ({spent / clock:.0%})")
 
 
 def describe(w: Workload) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from finetune.plan.choose import Plan, Request, describe
@@ -43,14 +44,21 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "host_memory_detail_gib": {"offload": _gib(m.host_offload), "loading": _gib(m.host_loading)},
         "trainable_params": trainable_params(w),
         "tokens_per_second": round(p.speed.tokens_per_second, 1),
+        "tokens_per_second_likely": [round(p.speed.low, 1), round(p.speed.high, 1)],
         "communication_bound": p.speed.comm_bound,
         "speed_calibrated": p.speed.calibrated,
         "speed_basis": p.speed.basis,
         "hours": round(hours, 2) if hours is not None else None,
+        "hours_likely": _rounded(p.hours_likely(tokens), 2),
         "usd": round(cost, 2) if cost is not None else None,
+        "usd_likely": _rounded(p.cost_likely(tokens), 2),
         "launch_command": launch_command(p, config_dir),
         "reasons": list(p.reasons),
     }
+
+
+def _rounded(pair: tuple[float, float] | None, digits: int) -> list[float] | None:
+    return [round(v, digits) for v in pair] if pair else None
 
 
 def to_json(request: Request, plans: list[Plan], recommended: int | None, config_dir: str) -> dict:
@@ -87,10 +95,12 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
         "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
         "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights); "
-        "tok/s~ = extrapolated, not calibrated on measured runs of this GPU class and setup",
+        "tok/s~ = not measured on this chip and shape family (see the speed reason); likely = the range the "
+        "speed model's cross-validated errors support (80 %), hours and $ over it",
         "",
     ]
-    header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s", "hours", "$")
+    header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s",
+              "likely", "hours", "$")
     rows = [header]
     for i, p in enumerate(plans):
         w, m = p.workload, p.memory
@@ -100,8 +110,8 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
             str(w.micro_batch_size), checkpointing_cell(w),
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),
-            f"{p.speed.tokens_per_second:,.0f}{'' if p.speed.calibrated else '~'}", f"{hours:.1f}" if hours is not None else "-",
-            f"{cost:,.0f}" if cost is not None else "-",
+            f"{p.speed.tokens_per_second:,.0f}{'' if p.speed.calibrated else '~'}", short_span(p.speed.low, p.speed.high),
+            with_range(hours, p.hours_likely(request.tokens), ".1f"), with_range(cost, p.cost_likely(request.tokens), ",.0f"),
         ))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines += ["  ".join(cell.rjust(width) if c >= 4 else cell.ljust(width) for c, (cell, width) in enumerate(zip(row, widths)))
@@ -124,6 +134,25 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         lines.append("Why others lose:")
         lines += [f"  - {why_not(p)}" for p in losers]
     return "\n".join(lines)
+
+
+def short_span(low: float, high: float) -> str:
+    """'4.8k–8.0k': a range in three significant digits."""
+    return f"{_short(low)}–{_short(high)}"
+
+
+def _short(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.{max(0, 2 - int(math.log10(value / scale)))}f}{unit}"
+    return f"{value:.0f}"
+
+
+def with_range(value: float | None, likely: tuple[float, float] | None, form: str) -> str:
+    """'6.8 (4.7–9.9)', or '-' without training tokens."""
+    if value is None:
+        return "-"
+    return f"{value:{form}} ({likely[0]:{form}}–{likely[1]:{form}})"
 
 
 def _fits_cell(p: Plan) -> str:
@@ -153,11 +182,12 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
         best = plans[recommended]
         fitting = sorted({p.workload.method for p in plans if p.fits})
         hours, cost = best.hours(req.tokens), best.cost_usd(req.tokens)
-        time_and_cost = f"  {hours:,.1f} h ${cost:,.0f}" if hours is not None else ""
+        time_and_cost = (f"  {with_range(hours, best.hours_likely(req.tokens), ',.1f')} h "
+                         f"${with_range(cost, best.cost_likely(req.tokens), ',.0f')}") if hours is not None else ""
         lines.append(
             f"  {name:<24} {describe(best.workload):<30} micro batch {best.workload.micro_batch_size:<3} "
-            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s{time_and_cost}   "
-            f"methods that fit: {', '.join(fitting)}"
+            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s "
+            f"(likely {short_span(best.speed.low, best.speed.high)}){time_and_cost}   methods that fit: {', '.join(fitting)}"
         )
     lines.append("Details for one model: finetune plan --model NAME --gpus ...")
     return "\n".join(lines)

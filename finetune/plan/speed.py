@@ -4,13 +4,19 @@ communication that compute cannot hide, plus offload copies and the host optimiz
 One GPU's time per micro-batch is the larger of two clocks that run side by side:
 - the host issuing kernels (eager PyTorch: Python and launch overhead per decoder layer, per
   PEFT-adapted linear and per bitsandbytes dequantization; regional compilation shrinks it), and
-- the GPU executing them (matmul FLOPs at an efficiency that grows with the tokens per micro-batch,
-  attention FLOPs by sequence length, memory-bound passes over the logits and 4-bit weights).
-Small shapes are bound by the first (a 1B LoRA at seq 512 spends ~135 ms per update on an H100
-whatever its FLOPs), large ones by the second. The optimizer step follows, memory-bound.
-The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to the runs committed in
-bench/gpu/measured/*.csv; GPUs without measurements scale the GPU clock by their peak TFLOP/s and
-memory bandwidth, and `Speed.calibrated` says which kind a number is.
+- the GPU executing them, a sum of terms that carry from one GPU to another:
+  matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for its chip (an A100 reaches
+  a larger fraction than an H100), attention FLOPs by kernel, head size and sequence length,
+  memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
+  loss over the vocabulary, 4-bit dequantization) at the fitted fraction of the GPU's datasheet
+  memory bandwidth, and a fixed GPU time per kernel launched (launch and tail).
+Small shapes are bound by the host (a 1B LoRA at seq 512 spends ~135 ms per update on an H100
+whatever its FLOPs), large ones by the GPU. The optimizer step follows, memory-bound.
+The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
+bench/gpu/measured/*.csv and to published runs of another trainer (bench/calibration/speed_*.csv,
+fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
+chips' matmul efficiency; every estimate carries the range cross-validation supports
+(plan/speed_range.py).
 
 Communication is counted collective by collective (an α–β model): each collective moves a known
 number of bytes per rank over the link (ring algorithms send (n−1)/n of the buffer per all-gather
@@ -27,10 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
-from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
+from finetune.plan.params import count_params, resolve_lora_targets
+from finetune.plan.speed_range import SpeedRange, speed_range
+from finetune.plan.traffic import (DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels,
+                                   traffic)
 from finetune.plan.workload import Workload
-
 
 
 @dataclass(frozen=True)
@@ -40,41 +48,47 @@ class Calibration:
     layer_issue_s: float  # host time to issue one decoder layer's forward + backward in eager transformers
     adapter_issue_s: float  # the same per PEFT LoRA linear (dropout, A, B, scale, add and their backward)
     dequant_issue_s: float  # per bitsandbytes 4-bit linear per dequantization (forward, backward, recompute)
-    peak_mfu: float  # fraction of the dense bf16 peak the matmuls reach at large micro-batches
-    half_tokens: float  # tokens per micro-batch at which the matmuls reach half of peak_mfu
-    liger_gpu_speedup: float  # GPU clock without ÷ with Liger kernels (TRL SFTTrainer ± use_liger_kernel)
+    matmul_efficiency: dict[str, float]  # per chip: achieved fraction of the dense bf16 peak in matmuls
+    memory_efficiency: float  # achieved fraction of the datasheet bandwidth in the memory-bound kernels
+    kernel_gpu_s: float  # GPU time per kernel launched that neither its FLOPs nor its bytes explain
+    attention_speed: float  # flash attention's FLOP rate ÷ the matmuls' (head size ≥ 128)
+
+    def efficiency(self, chip: str) -> float:
+        """The chip's fitted matmul efficiency; an unmeasured chip takes the measured chips' geometric mean."""
+        if chip in self.matmul_efficiency:
+            return self.matmul_efficiency[chip]
+        values = list(self.matmul_efficiency.values())
+        return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-# Fitted on one H100 80GB (torch 2.11 + CUDA 13, transformers 5.17, peft 0.21, eager, SDPA):
-# bench/gpu/measured/h100-2026-11-25.csv, `python bench/speed_fit.py` (bench/RESULTS.md, per row).
+# Fitted by `python bench/speed_fit.py --fit` (bench/RESULTS.md, *Speed model*) to finetune's runs on
+# one H100 80GB (bench/gpu/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
+# peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
+# (bench/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 8 coefficients for 16 numbers
+# (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
+# fit allows. Out of sample: ±14 % on shapes like the measured ones, ±44 % on a chip never measured.
 CALIBRATION = Calibration(
-    layer_issue_s=6.48e-3, adapter_issue_s=0.334e-3, dequant_issue_s=0.441e-3, peak_mfu=0.436, half_tokens=1695,
-    liger_gpu_speedup=1.214,
+    layer_issue_s=6.242e-03, adapter_issue_s=3.662e-04, dequant_issue_s=4.366e-04,
+    matmul_efficiency={"A100": 0.947, "H100": 0.807}, memory_efficiency=0.809,
+    kernel_gpu_s=1.144e-05, attention_speed=0.776,
 )
-# GPU classes with measured runs behind CALIBRATION; every other GPU is extrapolated from them.
-CALIBRATED_GPUS = ("H100-80GB",)
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
-# Attention FLOPs (flash / memory-efficient SDPA) run at this fraction of the matmuls' rate:
-# FlashAttention-2 reports 50–73 % of peak forward and less backward, dense GEMMs ~75 % (assumed, not fitted).
-ATTENTION_SPEED = 0.6
+# Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
+# gradient's scatter and cast, the two gradient matmuls (models/chunked_loss.py).
+CHUNK_KERNELS = 18
+# Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
+# kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
+SMALL_HEAD_ATTENTION = 0.85
 # Regional compilation of the decoder blocks fuses the elementwise kernels and skips most of the
 # Python of each layer; the issue time of a compiled layer as a fraction of eager. NOT MEASURED:
 # an assumption until a compiled run is committed, so such plans are marked extrapolated.
 COMPILED_ISSUE = 0.35
 # fp32 matmuls run on TF32 tensor cores: half the bf16 rate.
 FP32_SPEED = 0.5
-# Bytes per vocabulary entry per token that transformers' unfused loss moves through memory:
-# 16-bit logits written and read, fp32 upcast, log-softmax and its gradient, 16-bit logit gradient.
-UNFUSED_LOSS_BYTES = 24
-# Memory bandwidth, TB/s (vendor datasheets), for the memory-bound passes (loss, dequantization,
-# optimizer step); GPUs missing here scale the H100's by their peak TFLOP/s.
-MEMORY_TB_PER_S = {
-    "A100-40GB": 1.555, "A100-80GB": 2.039, "H100-80GB": 3.35, "H200": 4.8, "L40S": 0.864, "A10G": 0.6,
-    "L4": 0.3, "RTX3090": 0.936, "RTX4090": 1.008, "RTX6000-Ada": 0.96, "V100-16GB": 0.9, "V100-32GB": 0.9,
-    "T4": 0.32, "MI300X": 5.3,
-}
+# A GPU the catalog does not know (a dry run's device) gets an H100's bandwidth per peak TFLOP/s.
+H100_TB_PER_S, H100_TFLOPS = 3.35, 989
 # Share of a compute window that communication issued during it can hide under: NCCL kernels take
 # SMs and memory bandwidth from the compute they overlap with, and the first bucket only starts
 # once its gradients exist.
@@ -131,11 +145,24 @@ class Speed:
     offload_s_per_token: float  # per GPU: PCIe copies and the host optimizer step
     comm_bound: bool
     launch_bound: bool = False  # the host issuing kernels, not the GPU, sets the pace
-    basis: str = ""  # "calibrated on H100-80GB" or "extrapolated: <why>"
+    likely: SpeedRange = SpeedRange(1.0, 1.0, "", False)  # the range the fit supports, and what it rests on
+
+    @property
+    def basis(self) -> str:
+        return self.likely.basis
 
     @property
     def calibrated(self) -> bool:
-        return self.basis.startswith("calibrated")
+        """Measured on this chip and shape family, with nothing unmeasured on top (communication, offload, compile)."""
+        return self.likely.measured
+
+    @property
+    def low(self) -> float:
+        return self.tokens_per_second * self.likely.low
+
+    @property
+    def high(self) -> float:
+        return self.tokens_per_second * self.likely.high
 
     @property
     def scaling_efficiency(self) -> float:
@@ -237,53 +264,62 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     adapted = 0 if w.method == "full" else layers * len(resolve_lora_targets(w.model, w.lora_targets))
     passes = 1 + FORWARD_SHARE * w.recompute_share
     per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
-    dequant = 0.0
-    if w.method == "qlora":  # each 4-bit linear is dequantized in the forward, the backward and any recompute
-        dequant = layers * len(layer_linears(w.model)) * (2 + w.recompute_share) * c.dequant_issue_s
-    return passes * per_pass + dequant
+    return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
+
+
+def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[float, float]:
+    """(host, GPU) seconds per micro-batch that QLoRA's dequantizations take on each clock."""
+    gpu = (dequantized_bytes(w) / (memory_bytes_per_s(w) * c.memory_efficiency)
+           + dequantizations(w) * DEQUANT_KERNELS * c.kernel_gpu_s)
+    return dequantizations(w) * c.dequant_issue_s, gpu
+
+
+def loss_issue_seconds(w: Workload, c: Calibration) -> float:
+    """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
+    fewer tokens the larger the vocabulary (memory.chunk_tokens), each kernel at a decoder layer's
+    issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
+    if w.loss != "finetune-chunked":
+        return 0.0
+    chunks = math.ceil(w.tokens_per_micro_batch / chunk_tokens(w.model.vocab_size))
+    return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)
 
 
 def gpu_seconds(w: Workload, c: Calibration) -> float:
-    """GPU time of one micro-batch: matmuls at an efficiency that grows with the tokens per
-    micro-batch, attention by sequence length, and the memory-bound passes."""
+    """GPU time of one micro-batch: matmul FLOPs at the chip's fitted share of its peak, attention
+    FLOPs by kernel and head size, memory-bound bytes at the fitted share of its bandwidth, and a
+    fixed time per kernel launched."""
     tokens = w.tokens_per_micro_batch
-    rate = w.gpu.bf16_tflops * 1e12 * c.peak_mfu * tokens / (tokens + c.half_tokens)
-    rate *= FP32_SPEED if w.precision.fp32 else 1.0
+    rate = w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu.chip) * (FP32_SPEED if w.precision.fp32 else 1.0)
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
-    seconds = tokens * ((forward + backward - attention) / rate + attention / (rate * ATTENTION_SPEED))
-    moved = 0.0 if w.loss == "liger" else tokens * w.model.vocab_size * UNFUSED_LOSS_BYTES
-    if w.method == "qlora":  # 4-bit read, 16-bit written, per dequantization
-        moved += count_params(w.model).quantizable * 2.5 * (2 + w.recompute_share)
-    seconds += moved / memory_bytes_per_s(w)
-    return seconds / (c.liger_gpu_speedup if w.loss == "liger" else 1.0)
+    matmul = forward + backward - attention
+    seconds = tokens * (matmul / rate + attention / (rate * attention_speed(w, c)))
+    seconds += traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency)
+    return seconds + kernel_launches(w) * c.kernel_gpu_s
 
 
-def optimizer_seconds(w: Workload) -> float:
+def attention_speed(w: Workload, c: Calibration) -> float:
+    """Attention's FLOP rate ÷ the matmuls': flash kernels (SDPA, flex) at the fitted rate, slower for
+    small heads; eager attention runs its two batched matmuls at the matmul rate (the s² scores it
+    writes are memory traffic, plan/traffic.py)."""
+    if w.attention == "eager":
+        return 1.0
+    return c.attention_speed * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0)
+
+
+def optimizer_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
     """The optimizer step, memory-bound: trainable weights, gradients and states read, weights and
     states written (and the foreach temporaries), for the share of states this GPU updates
     (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
     states = model_states(w)
     share = place_states(w, states).optimizer / states.optimizer if states.optimizer else 0.0
     moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + 2 * states.step_scratch
-    return share * moved / memory_bytes_per_s(w)
+    return share * moved / (memory_bytes_per_s(w) * c.memory_efficiency)
 
 
 def memory_bytes_per_s(w: Workload) -> float:
-    """The GPU's memory bandwidth, bytes/s (datasheet; else the H100's scaled by peak TFLOP/s)."""
-    tb_per_s = MEMORY_TB_PER_S.get(w.gpu.name, MEMORY_TB_PER_S["H100-80GB"] * w.gpu.bf16_tflops / 989)
-    return tb_per_s * 1e12
-
-
-def speed_basis(w: Workload) -> str:
-    """Whether the compute clock rests on runs measured on this GPU class, and if not, why not."""
-    if w.gpu.name not in CALIBRATED_GPUS:
-        return f"extrapolated: no measured runs on {w.gpu.name} (calibrated on {', '.join(CALIBRATED_GPUS)})"
-    if w.compile:
-        return "extrapolated: compiled blocks not measured yet"
-    if w.world_size > 1 or w.offload != "none":
-        return f"extrapolated: calibrated on one {w.gpu.name}; communication and offload not measured"
-    return f"calibrated on {w.gpu.name}"
+    """The GPU's memory bandwidth, bytes/s (datasheet; a GPU without one: an H100's per peak TFLOP/s)."""
+    return (w.gpu.memory_tb_per_s or H100_TB_PER_S * w.gpu.bf16_tflops / H100_TFLOPS) * 1e12
 
 
 def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed:
@@ -292,7 +328,7 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
     issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration)
     forward_share = training_flops(w)[0] / sum(training_flops(w))
     forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
-    compute = w.gradient_accumulation_steps * max(issue, gpu) + optimizer_seconds(w)
+    compute = w.gradient_accumulation_steps * max(issue, gpu) + optimizer_seconds(w, calibration)
 
     items = collectives(w)
     gb_per_s, latency_s = link(w)
@@ -316,5 +352,5 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
         offload_s_per_token=offload / tokens_update,
         comm_bound=comm > compute,
         launch_bound=issue > gpu,
-        basis=speed_basis(w),
+        likely=speed_range(w, tuple(calibration.matmul_efficiency)),
     )

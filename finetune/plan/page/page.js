@@ -142,7 +142,8 @@ function onePlan(data) {
     ? el("p", {class: "verdict bad"}, `Nothing fits on ${world}× ${hw.gpu}. Try more GPUs, QLoRA, a shorter sequence, or offload.`)
     : el("p", {class: "verdict good"}, "Recommended: ", el("strong", {}, describe(plans[r.recommended])),
       `, micro batch ${plans[r.recommended].micro_batch_size}`, plans[r.recommended].gradient_checkpointing ? ", gradient checkpointing" : "",
-      ` — ${fmt(plans[r.recommended].tokens_per_second)} tokens/s`);
+      ` — ${fmt(plans[r.recommended].tokens_per_second)} tokens/s, likely ${span(plans[r.recommended].tokens_per_second_likely)}`,
+      el("span", {class: "muted"}, ` (speed ${plans[r.recommended].speed_basis})`));
   const scale = barScale(hw.memory_gib, plans.map((p) => p.memory_per_gpu_gib.device));
   const hostScale = barScale(hw.host_memory_gib_per_node, plans.map((p) => p.host_memory_gib));
   const rows = plans.map((p, i) => el("tr", {class: rowClass(p, i, r.recommended), onclick: () => { selected = i; show(data); }},
@@ -152,8 +153,8 @@ function onePlan(data) {
     el("td", {class: "num"}, fmt(p.memory_per_gpu_gib.device, 1)),
     el("td", {class: "hostcell"}, hostBar(p, hostScale, hw.host_memory_gib_per_node)),
     el("td", {}, p.fits ? "yes" : p.fits_device ? "NO (host)" : "NO"),
-    el("td", {class: "num"}, fmt(p.tokens_per_second)), el("td", {class: "num"}, fmt(p.hours, 1)), el("td", {class: "num"}, fmt(p.usd)),
-    el("td", {class: "why"}, why(p, i, r.recommended))));
+    likelyCell(p.tokens_per_second, p.tokens_per_second_likely), likelyCell(p.hours, p.hours_likely, 1),
+    likelyCell(p.usd, p.usd_likely), el("td", {class: "why"}, why(p, i, r.recommended))));
   const table = el("table", {id: "plans", class: "plans"},
     el("thead", {}, el("tr", {}, ["", "method", "strategy", "offload", "micro batch", "ckpt", `memory per GPU (line: ${hw.gpu}, ${fmt(hw.memory_gib)} GiB)`,
       "GiB", "host RAM", "fits", "tokens/s", "hours", "$", "why"].map((h) => el("th", {}, h)))),
@@ -180,8 +181,8 @@ function whatFits(data) {
       el("td", {}, r.recommended === null ? "nothing fits" : describe(p)),
       el("td", {class: "num"}, r.recommended === null ? "–" : p.micro_batch_size),
       el("td", {class: "barcell"}, memoryBar(p, scale, hw.memory_gib)), el("td", {class: "num"}, fmt(p.memory_per_gpu_gib.device, 1)),
-      el("td", {class: "num"}, r.recommended === null ? "–" : fmt(p.tokens_per_second)),
-      el("td", {class: "num"}, fmt(p.hours, 1)), el("td", {class: "num"}, fmt(p.usd)), el("td", {}, methods),
+      r.recommended === null ? el("td", {class: "num"}, "–") : likelyCell(p.tokens_per_second, p.tokens_per_second_likely),
+      likelyCell(p.hours, p.hours_likely, 1), likelyCell(p.usd, p.usd_likely), el("td", {}, methods),
       el("td", {}, window.PLAN_DATA ? "" : el("button", {type: "button", class: "small",
         onclick: (event) => { event.stopPropagation(); form.model.value = r.model.name; changed(); }}, "all plans →")));
   });
@@ -194,6 +195,15 @@ function whatFits(data) {
   const title = r.recommended === null ? `${r.model.name}: nothing fits (closest: ${describe(p)})` : `${r.model.name}: ${describe(p)}, micro batch ${p.micro_batch_size}`;
   return [head, commandLine(data.command), legend(), el("div", {class: "scroll"}, table),
     detail(title, p.reasons, p.launch_command, data.files[selected], r.recommended !== null)];
+}
+
+// A number with the range the speed model supports under it ("likely 4,800–8,000").
+function likelyCell(value, likely, digits) {
+  return el("td", {class: "num"}, fmt(value, digits), likely ? el("div", {class: "likely"}, span(likely, digits)) : "");
+}
+
+function span(likely, digits) {
+  return `${fmt(likely[0], digits)}–${fmt(likely[1], digits)}`;
 }
 
 function rowClass(p, i, recommended) {
