@@ -8,12 +8,10 @@ most 128 tokens, fp32, AdamW, gradient clipping at 1.0, no gradient checkpointin
 - finetune: `python -m finetune ...` as a user types it (its run path, subprocess); its own
   metrics.jsonl (`--log-every 1`) gives each update's tokens and seconds.
 - Trainer: the rows finetune tokenized (same ids, same masks), `DataCollatorForSeq2Seq` padding
-  right; plain (random order), and with `train_sampling_strategy="group_by_length"` (batches of
-  similar lengths, less padding). The length-grouped Trainer gets finetune's row order: both are
-  transformers' `get_length_grouped_indices` with the same group size, and only their random
-  generators differ, so the Trainer's own would time other rows (megabatches of 96 rows here, each
-  update's token count set by which rows fall into the first one). Same order, same batches: the
-  two are timed on identical work.
+  right; plain (its random order), and on finetune's batches (its sampler, `data/sampler.py`, with
+  the same seed: identical rows in every batch, so the two are timed on identical work). Not the
+  Trainer's `group_by_length`: its megabatches make every update one length class, which trains
+  other, less padded batches and costs what the model learns (bench/quality.py).
 - SFTTrainer: the raw chats as prompt/completion conversations (its own chat-template tokenization,
   loss on the completion), `padding_free=True` (each batch flattened into one row, no padding);
   its defaults bf16 and gradient checkpointing are turned off to match.
@@ -56,7 +54,7 @@ import torch
 from finetune.models import loading
 from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
-from finetune.data.sampler import LengthGroupedSampler, row_lengths
+from finetune.data.sampler import UpdateSortedSampler, row_lengths
 
 MODEL = "smollm2-135m"
 DATASET = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
@@ -133,24 +131,24 @@ def common_arguments(out: str, steps: int) -> dict:
             "fp16": False, "gradient_checkpointing": False, "seed": 0}
 
 
-def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, sampling: str) -> tuple[tuple[float, float], str]:
+def trainer_tokens_per_second(source: str, tokenizer, rows, steps: int, warmup: int, same_batches: bool) -> tuple[tuple[float, float], str]:
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     class SameOrderTrainer(Trainer):
-        """group_by_length drawn with finetune's generator, so both train on the same batches (see the docstring)."""
+        """finetune's sampler with finetune's seed, so both train on the same batches (see the docstring)."""
 
         def _get_train_sampler(self, train_dataset=None):
-            return LengthGroupedSampler(row_lengths(rows), MICRO_BATCH, TrainConfig().seed)
+            return UpdateSortedSampler(row_lengths(rows), MICRO_BATCH, TrainConfig().seed)
 
     tokenizer.padding_side = "right"
-    trainer_class = SameOrderTrainer if sampling == "group_by_length" else Trainer
+    trainer_class = SameOrderTrainer if same_batches else Trainer
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(**common_arguments(out, warmup + steps), train_sampling_strategy=sampling)
+        args = TrainingArguments(**common_arguments(out, warmup + steps))
         trainer = trainer_class(model=lora_model(source), args=args, train_dataset=rows,
                                 data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
         rate = tokens_per_second(trainer, warmup)
-    order = ", finetune's row order" if sampling == "group_by_length" else ""
-    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, train_sampling_strategy={sampling}{order}"
+    order = "finetune's batches" if same_batches else "random order"
+    return rate, f"finetune's tokenized rows, DataCollatorForSeq2Seq, {order}"
 
 
 def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
@@ -169,7 +167,7 @@ def sft_tokens_per_second(source: str, tokenizer, steps: int, warmup: int) -> tu
     return rate, "prompt/completion chats tokenized by TRL, padding_free, completion-only loss"
 
 
-TOOLS = ("finetune", "transformers Trainer", "Trainer, group_by_length", "TRL SFTTrainer")
+TOOLS = ("finetune", "transformers Trainer", "Trainer, finetune's batches", "TRL SFTTrainer")
 
 
 def measure(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
@@ -193,8 +191,8 @@ def measure_here(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float
     with tempfile.TemporaryDirectory() as cache:
         rows = tokenized_rows(tokenizer, cache)
         if tool == "transformers Trainer":
-            return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, "random")
-        return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, "group_by_length")
+            return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, same_batches=False)
+        return trainer_tokens_per_second(source, tokenizer, rows, steps, warmup, same_batches=True)
 
 
 def tokenized_rows(tokenizer, cache: str):

@@ -3,8 +3,9 @@ price per GPU.
 
 The planner needs these numbers offline and instantly. Sources: vendor datasheets (memory as
 nvidia-smi / rocm-smi report it, dense tensor-core TFLOP/s without sparsity, with fp32
-accumulation as PyTorch uses, memory bandwidth of the SXM / PCIe card named) and on-demand list prices of common clouds in 2025, which vary by
-about ±50 % between providers: treat `usd_per_hour` as an order of magnitude for comparing plans.
+accumulation as PyTorch uses, memory bandwidth of the SXM / PCIe card named) and on-demand list
+prices of common clouds in 2025, which vary by about ±50 % between providers: treat
+`usd_per_hour` as an order of magnitude for comparing plans.
 """
 
 from __future__ import annotations
