@@ -28,9 +28,9 @@ from finetune.errors import ConfigError, FinetuneError, ReportedElsewhere
 WORKER_ENVIRONMENT = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 DEFAULT_MAX_FAILURES = 3
 WORKER_ERROR_PREFIX = "finetune train: error: "  # how a worker's rank-synchronised sections word an error
-RAY_STORAGE_DIR = "ray"
+RAY_STORAGE_DIR = "ray"  # Ray's record of the run, under --output-dir unless --storage-path names another place
 # what Accelerate's launcher computes that Ray Train sets for its workers itself (or that is this machine's)
-RAY_OWNED = {"MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH"}  # under --output-dir unless --storage-path names another place
+RAY_OWNED = {"MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`finetune FLAGS`. Every other flag is a training flag (see `finetune --help`); they may also follow `--`.",
     )
     parser.add_argument("--workers", type=int, required=True, help="Training processes (one per GPU on a GPU cluster).")
-    parser.add_argument("--address", help="An existing Ray cluster (ray://HOST:10001 or HOST:6379; `auto` for the one "
-                        "`ray start` runs here). Default: start a local Ray on this machine for this run.")
+    parser.add_argument("--address", help="An existing Ray cluster: HOST:6379 of its `ray start --head`, or `auto` on one "
+                        "of its nodes (as under `ray job submit`). Default: a local Ray on this machine, for this run.")
     parser.add_argument("--gpus-per-worker", type=float, help="GPUs each worker reserves (default: 1 when the cluster "
                         "has GPUs, else 0).")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs each worker reserves (default 1).")
@@ -150,6 +150,10 @@ def train_on_ray(args: argparse.Namespace, train_args: list[str], config: TrainC
             trainer.fit()
         except ray.train.TrainingFailedError as e:
             raise FinetuneError(failure_message(e)) from None
+        except KeyboardInterrupt:
+            print(f"finetune ray: interrupted (Ctrl-C). Continue from the newest checkpoint in {config.output_dir} "
+                  "by running the same command with --resume auto.", file=sys.stderr, flush=True)
+            return 130  # 128 + SIGINT, as `finetune` itself
     finally:
         ray.shutdown()
     return 0
