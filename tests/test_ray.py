@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,6 @@ from finetune.plan.choose import Request, plan
 from finetune.plan.files import ray_command
 from finetune.models import catalog
 from finetune.train.accelerator import free_port
-from finetune.train.metrics import read_metrics
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 # 24 updates of the tiny default, a checkpoint every 6: long enough to kill a worker after the first
@@ -109,7 +109,7 @@ def write_checkpoint(path: Path) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A 2-CPU Ray head on loopback for this module (`ray start --block` stops everything it started
-    when terminated), with token authentication, as Ray 2.60 enables it by default. `RAY_SESSION`
+    when terminated), with token authentication, as Ray 2.60 enables it by default. FINETUNE_TEST_RAY
     marks its processes, so the test kills one of its own workers and nobody else's."""
     marker = secrets.token_hex(8)
     env = ENV | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "FINETUNE_TEST_RAY": marker,
@@ -121,19 +121,24 @@ def cluster(tmp_path_factory):
                              "--port", str(port), "--ray-client-server-port", str(free_port()), "--temp-dir", str(temp_dir),
                              "--disable-usage-stats", "--include-dashboard", "false"],
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text():
-        assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
     try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
         yield {"address": f"127.0.0.1:{port}", "env": env, "marker": marker}
     finally:
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def losses(output_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+    """(step, loss) of every update metrics.jsonl holds; whole lines only, as it may be read mid-write."""
+    path = output_dir / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    records = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
 def final_weights(output_dir: Path) -> dict:
@@ -167,19 +172,22 @@ def test_ray_workers_train_as_torchrun_ddp_and_a_killed_worker_resumes_to_the_sa
     assert torchrun.returncode == 0, torchrun.stderr[-4000:]
     assert [step for step, _ in losses(reference)] == list(range(1, 25))
 
-    out = tmp_path / "ray"
-    run = subprocess.Popen([sys.executable, "-m", "finetune", "ray", "--address", cluster["address"], "--workers", "2",
-                            *FLAGS, "--output-dir", str(out)], env=cluster["env"], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    out, log = tmp_path / "ray", tmp_path / "ray.log"
+    with open(log, "w") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "finetune", "ray", "--address", cluster["address"], "--workers", "2",
+                                *FLAGS, "--output-dir", str(out)], env=cluster["env"], stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 400
-    while not (out / "checkpoints" / "step-000006").is_dir() or not losses(out) or losses(out)[-1][0] < 8:
-        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()[-4000:]
+    while True:  # kill once the step-6 checkpoint is complete and step 8 is logged
+        first_group = losses(out)
+        if (out / "checkpoints" / "step-000006").is_dir() and first_group and first_group[-1][0] >= 8:
+            break
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.1)
-    first_group = losses(out)
     workers = train_workers(cluster["marker"])
     assert len(workers) == 2
     workers[-1].send_signal(signal.SIGKILL)
-    output, _ = run.communicate(timeout=600)
+    run.wait(timeout=600)
+    output = log.read_text()
     assert run.returncode == 0, output[-4000:]
     assert "strategy: DDP on cpu (gloo)" in output and "world size: 2 processes" in output
     assert first_group == losses(reference)[: len(first_group)] and first_group[-1][0] < 24
