@@ -22,6 +22,7 @@ from helpers import REPO
 from finetune.cli import main as cli_main
 from finetune.config.options import parse_command
 from finetune.config.resolve import Launch
+from finetune.errors import ConfigError, ReportedElsewhere
 from finetune.launch import ray_train
 from finetune.plan import gpus
 from finetune.plan.choose import Request, plan
@@ -95,6 +96,26 @@ def test_a_replacement_group_resumes_from_this_runs_newest_checkpoint(tmp_path):
     assert ray_train.resume_point(str(start), str(out)) == str(start)  # nothing saved by this run yet
     write_checkpoint(out / "checkpoints" / "step-000006")
     assert ray_train.resume_point(str(start), str(out)) == "auto"  # a step after the one it started from
+
+
+def test_a_local_ray_that_cannot_hold_the_workers_says_so():
+    ray_train.check_local_resources({"CPU": 1.0, "GPU": 0.0}, 2, {"CPU": 2.0})  # fits: silent
+    with pytest.raises(ConfigError) as refused:
+        ray_train.check_local_resources({"CPU": 1.0, "GPU": 1.0, "memory": 2**30}, 4, {"CPU": 2.0})
+    assert str(refused.value) == ("the local Ray on this machine cannot start 4 workers: 4 × 1 CPU = 4 of 2; 4 × 1 GPU = 4 of 0. "
+                                  "Use fewer --workers, a smaller --cpus-per-worker, or --address of a larger cluster.")
+
+
+def test_a_workers_error_is_reported_as_its_one_line():
+    from ray.train import WorkerGroupError
+
+    message = "finetune train: error: --dataset data.jsonl: row 3 has no 'text' field"
+    both_ranks = WorkerGroupError("Training failed", {0: ReportedElsewhere(message), 1: ReportedElsewhere(message)})
+    assert ray_train.failure_message(both_ranks) == "--dataset data.jsonl: row 3 has no 'text' field"
+    one_rank = WorkerGroupError("Training failed", {1: ConfigError("rank 1 only"), 0: RuntimeError("gloo: peer closed")})
+    assert ray_train.failure_message(one_rank) == "rank 1 only"
+    bug = ray_train.failure_message(WorkerGroupError("Training failed:\n  ZeroDivisionError", {0: ZeroDivisionError()}))
+    assert bug.startswith("the Ray worker group failed: ") and bug.endswith("ZeroDivisionError") and "\n" not in bug
 
 
 def write_checkpoint(path: Path) -> None:
