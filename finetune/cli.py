@@ -1,4 +1,4 @@
-"""Command line: `finetune [train] FLAGS` (default) | prepare | plan | rehearse | export | slurm | doctor | scaling.
+"""Command line: `finetune [train] FLAGS` (default) | prepare | plan | rehearse | export | slurm | ray | doctor | scaling.
 
 Each subcommand lives in the module that owns it and is imported only when used, so
 `finetune plan` never imports torch, and training flags are read and checked before it is.
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "export": "finetune.export.command:main",
     "rehearse": "finetune.launch.rehearse:main",
     "slurm": "finetune.launch.slurm:main",
+    "ray": "finetune.launch.ray_train:main",
     "doctor": "finetune.launch.doctor.command:main",
     "scaling": "finetune.launch.scaling:main",
 }

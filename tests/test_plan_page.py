@@ -90,7 +90,7 @@ def test_files_are_those_write_config_writes_plus_an_sbatch_script(base_url, tmp
     files = body["files"][recommended]
     written = {path.name: path.read_text() for path in (tmp_path / "plan").iterdir()}
     assert written == {name: text for name, text in files.items() if name != "finetune.sbatch"}
-    assert set(written) == {"accelerate.yaml", "ds_config.json"}
+    assert set(written) == {"accelerate.yaml", "ds_config.json", "trainjob.yaml", "skypilot.yaml", "dstack.yaml"}
     launch = body["result"]["plans"][recommended]["launch_command"]
     flags = launch.split(" -m finetune ")[1]
     sbatch = files["finetune.sbatch"]
@@ -164,7 +164,7 @@ def test_pasted_config_is_planned_as_the_same_file_on_disk(base_url, tmp_path):
     assert status == 200
     expected = cli_json("--model", str(tmp_path / "config.json"), "--gpus", "1xA100-80GB")
     assert body["result"]["model"]["name"] == "acme/llama-like" and body["command"].endswith("--model ./config.json")
-    numbers = lambda plans: [{k: v for k, v in p.items() if k != "launch_command"} for p in plans]  # noqa: E731
+    numbers = lambda plans: [{k: v for k, v in p.items() if k not in ("launch_command", "ray_command")} for p in plans]  # noqa: E731
     assert numbers(body["result"]["plans"]) == numbers(expected["plans"])
     assert body["result"]["model"]["params"] == expected["model"]["params"]
     status, body = http(f"{base_url}/api/plan", json.dumps({"config": "{not json", "gpu": "A100-80GB"}).encode())

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -57,7 +58,10 @@ class Checkpointer:
         self.preempted = False
         self._signal_received: int | None = None
         self._rng_to_restore: dict | None = None
-        self._previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS}
+        # Python installs signal handlers only from the main thread; Ray Train runs the loop in a worker
+        # thread, where a preemption is Ray's to handle (its FailureConfig resumes at the newest checkpoint)
+        self._previous_handlers = ({sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS}
+                                   if threading.current_thread() is threading.main_thread() else {})
         # LoRA/QLoRA: only the trainable weights go into single-process/DDP checkpoints (FSDP and
         # DeepSpeed write their own sharded formats and never pass through this hook)
         accelerator.register_save_state_pre_hook(_keep_trainable_weights)

@@ -380,7 +380,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=prog,
         description="Fine-tune a language model with one Accelerate training loop. "
-        "Subcommands: prepare, plan, rehearse, export, slurm, doctor, scaling (see `finetune SUBCOMMAND --help`).",
+        "Subcommands: prepare, plan, rehearse, export, slurm, ray, doctor, scaling (see `finetune SUBCOMMAND --help`).",
     )
     parser.add_argument("--config", help="YAML file of options; flags given on the command line override it.")
     parser.add_argument("--dry-run", action="store_true", help="Build the run on fake tensors, print its plan "

@@ -33,12 +33,20 @@ from finetune.config.resolve import ResolvedRun
 def materialize(config: TrainConfig) -> str:
     """The run's weights source (`ModelSource.weights`), after writing it when finetune makes it
     itself: a catalog shape's seeded random init, or the conversion of a GGUF file. Every process
-    may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`)."""
+    may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`).
+
+    Under a process group formed before the run (Ray Train forms it before a worker's function
+    starts), transformers' `save_pretrained` writes weights on global rank 0 only, so rank 0 writes
+    and the others wait for it at a barrier instead of publishing a folder without weights."""
     model = model_source.model_source(config.model, config.output_dir)
-    if model.kind == "gguf":
-        gguf_import.convert(model.gguf, Path(model.weights))
-    elif model.kind == "random-init":
-        materialize_random_init(model.spec, Path(model.weights), seed=config.seed)
+    group_formed = torch.distributed.is_initialized()
+    if not group_formed or torch.distributed.get_rank() == 0:
+        if model.kind == "gguf":
+            gguf_import.convert(model.gguf, Path(model.weights))
+        elif model.kind == "random-init":
+            materialize_random_init(model.spec, Path(model.weights), seed=config.seed)
+    if group_formed and model.kind in ("gguf", "random-init"):
+        torch.distributed.barrier()
     return model.weights
 
 

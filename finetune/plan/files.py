@@ -1,5 +1,6 @@
-"""The files and the command that run a plan: an Accelerate config, a DeepSpeed JSON with every
-batch value resolved to an integer, and the `accelerate launch ... -m finetune ...` line.
+"""The files and the commands that run a plan: an Accelerate config, a DeepSpeed JSON with every
+batch value resolved to an integer, the `accelerate launch ... -m finetune ...` line (and the
+cluster jobs that run it, plan/cluster.py), and the `finetune ray` line.
 
 Pure functions of the plan; `write_configs` is the only one that touches the disk.
 """
@@ -7,6 +8,7 @@ Pure functions of the plan; `write_configs` is the only one that touches the dis
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import yaml
 
 from finetune.config.names import uses_chunked_loss
 from finetune.plan.choose import Plan
+from finetune.plan.cluster import cluster_texts
 from finetune.plan.memory import DS_BUCKET_ELEMENTS
 from finetune.plan.workload import Workload
 
@@ -157,18 +160,29 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
     return shlex.join([*words, *speed_flags(w), "--write-config", config_dir])
 
 
+def ray_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
+    """`finetune ray` for the plan on a Ray cluster: a worker per GPU, each reserving one GPU and its
+    share of the node's host RAM, running the strategy of the plan's accelerate config."""
+    w = plan.workload
+    words = ["finetune", "ray", "--workers", str(w.world_size), "--gpus-per-worker", "1",
+             "--memory-per-worker", str(math.ceil(plan.host_gib / w.gpus_per_node)),
+             "--accelerate-config", f"{config_dir}/{ACCELERATE_FILE}", *train_flags(w)]
+    return shlex.join(words)
+
+
 def config_texts(plan: Plan, directory: str = DEFAULT_CONFIG_DIR) -> dict[str, str]:
     """File name → text of the accelerate YAML (and the DeepSpeed JSON for ZeRO plans), as they
-    read when saved in `directory` (the YAML names the JSON by its path there)."""
+    read when saved in `directory` (the YAML names the JSON by its path there), and the Kubernetes,
+    SkyPilot and dstack jobs that run the launch command (plan/cluster.py)."""
     texts = {ACCELERATE_FILE: yaml.safe_dump(accelerate_config(plan, directory), sort_keys=False)}
     ds = deepspeed_config(plan)
     if ds is not None:
         texts[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"
-    return texts
+    return texts | cluster_texts(plan, directory, launch_files=dict(texts), launch=launch_command(plan, directory))
 
 
 def write_configs(plan: Plan, directory: str | Path) -> list[Path]:
-    """Write the accelerate YAML (and the DeepSpeed JSON for ZeRO plans) into `directory`."""
+    """Write the accelerate YAML (and the DeepSpeed JSON for ZeRO plans) and the cluster jobs into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []

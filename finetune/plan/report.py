@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from finetune.plan.choose import Plan, Request, describe
-from finetune.plan.files import launch_command
+from finetune.plan.files import launch_command, ray_command
 from finetune.plan.memory import GIB, trainable_params
 from finetune.plan.params import count_params
 from finetune.plan.workload import Workload
@@ -53,6 +53,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "usd": round(cost, 2) if cost is not None else None,
         "usd_likely": _rounded(p.cost_likely(tokens), 2),
         "launch_command": launch_command(p, config_dir),
+        "ray_command": ray_command(p, config_dir),
         "reasons": list(p.reasons),
     }
 
@@ -129,6 +130,8 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
                     if best.workload.gradient_checkpointing else ""))
     lines += [f"  - {reason}" for reason in best.reasons]
     lines.append(f"  launch: {launch or launch_command(best, config_dir)}")
+    if launch is None:
+        lines.append(f"  on Ray: {ray_command(best, config_dir)}")
     losers = [p for p in plans if not p.fits]
     if losers:
         lines.append("Why others lose:")

@@ -262,7 +262,9 @@ function detail(title, reasons, launch, files, fits) {
     el("div", {class: "files"}, Object.entries(files || {}).map(([name, text]) =>
       el("button", {type: "button", onclick: () => download(name, text)}, `⤓ ${name}`)),
     el("span", {class: "muted"}, ` save them in ${folder}/ (the launch command reads ${folder}/accelerate.yaml); the same files as `,
-      el("code", {}, `finetune plan … --write-config ${folder}`), "; submit the sbatch script with ", el("code", {}, "sbatch finetune.sbatch"))));
+      el("code", {}, `finetune plan … --write-config ${folder}`), "; submit the sbatch script with ", el("code", {}, "sbatch finetune.sbatch"),
+      ", the cluster jobs with ", el("code", {}, `kubectl apply -f ${folder}/trainjob.yaml`), ", ",
+      el("code", {}, `sky launch ${folder}/skypilot.yaml`), " or ", el("code", {}, `dstack apply -f ${folder}/dstack.yaml`), ".")));
 }
 
 function copyButton(text) {
