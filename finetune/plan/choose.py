@@ -24,7 +24,8 @@ from finetune.plan.speed import (CALIBRATION, Speed, dequantization_seconds, est
                                   issue_seconds)
 from finetune.plan.workload import Workload
 from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
-                                   Precision, Strategy, check_precision, default_precision, named, uses_chunked_loss)
+                                   Precision, Strategy, check_precision, default_precision, named)
+from finetune.config.switches import Switches, resolve_switches
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64
@@ -64,7 +65,7 @@ class Request:
     gradient_accumulation_steps: int = 1
     tokens: float | None = None  # training tokens, for hours and cost
     host_memory_gib: float | None = None  # host RAM per node; None: what the GPU's usual instance has
-    liger: bool = False  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock
+    liger: bool | None = None  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock; unset: as the trainer decides
     chunked_loss: bool | None = None  # the loss through the LM head in chunks; unset: where the trainer turns it on
     compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
 
@@ -190,26 +191,28 @@ def candidates(request: Request) -> list[Workload]:
                     check_precision(precision, method, strategy, offload)
                 except FinetuneError:
                     continue
+                optimizer = "adamw" if request.optimizer == "auto" else request.optimizer
+                switches = planned_switches(request, strategy, method, optimizer)
                 workloads.append(Workload(
                     model=request.model, gpu=request.gpu, gpus_per_node=request.gpus_per_node, nodes=request.nodes,
-                    method=method, strategy=strategy, offload=offload, precision=precision,
-                    optimizer="adamw" if request.optimizer == "auto" else request.optimizer,
+                    method=method, strategy=strategy, offload=offload, precision=precision, optimizer=optimizer,
                     micro_batch_size=request.micro_batch_size or 1, seq_len=request.seq_len,
                     gradient_checkpointing=bool(request.gradient_checkpointing),
                     checkpointed_layers=request.gradient_checkpointing_layers,
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
-                    loss=loss_kind(request, strategy, method), compile=request.compile,
+                    loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=request.compile,
                 ))
     return workloads
 
 
-def loss_kind(request: Request, strategy: Strategy, method: str) -> str:
-    """How the planned run holds the loss (memory.LOSS_BYTES_PER_VOCAB), as the trainer will decide it."""
-    if request.liger:
-        return "liger"
-    chunked = uses_chunked_loss(request.chunked_loss, False, strategy, request.model.model_type, method, request.lora_targets)
-    return "finetune-chunked" if chunked else "transformers"
+def planned_switches(request: Request, strategy: Strategy, method: str, optimizer: str) -> Switches:
+    """Liger, the chunked loss and fused AdamW as the trainer will decide them on the request's GPUs
+    with this machine's packages (config.switches); an asked-for Liger that is not installed here is
+    planned as on a machine that has it."""
+    return resolve_switches(liger=request.liger, chunked_loss=request.chunked_loss, optimizer=optimizer, method=method,
+                            lora_targets=request.lora_targets, cuda=True, strategy=strategy,
+                            model_type=request.model.model_type, assume_liger=True)
 
 
 def fits(w: Workload) -> bool:
