@@ -7,9 +7,8 @@ liger-kernel is a package written into a temporary folder, one that imports and 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from helpers import LIGER_BROKEN, LIGER_WORKING
 
 from finetune.config.names import STRATEGIES
 from finetune.config.options import TrainConfig
@@ -27,30 +26,6 @@ from finetune.train.speedups import choose_speedups
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True, free_bytes=80 * 2**30, total_bytes=80 * 2**30)
 SINGLE, FSDP, ZERO3 = STRATEGIES["single"], STRATEGIES["fsdp"], STRATEGIES["zero3"]
-WORKING = ("def apply_liger_kernel_to_llama(model=None, **kwargs):\n    model.patched_by_liger = True\n"
-           "MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': apply_liger_kernel_to_llama, 'mistral': apply_liger_kernel_to_llama}\n")
-# what a liger-kernel built against another transformers raises on import
-BROKEN = "raise ImportError(\"cannot import name 'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama'\")\n"
-
-
-@pytest.fixture
-def liger_kernel(tmp_path, monkeypatch):
-    """Install a liger-kernel 0.8.5 whose monkey_patch module is the given source, for this test only."""
-    def install(monkey_patch: str) -> None:
-        package = tmp_path / "liger_kernel"
-        (package / "transformers").mkdir(parents=True)
-        (package / "__init__.py").write_text("")
-        (package / "transformers" / "__init__.py").write_text("")
-        (package / "transformers" / "monkey_patch.py").write_text(monkey_patch)
-        (tmp_path / "liger_kernel-0.8.5.dist-info").mkdir()
-        (tmp_path / "liger_kernel-0.8.5.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.5\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        liger_table.cache_clear()
-
-    yield install
-    liger_table.cache_clear()
-    for name in [m for m in sys.modules if m == "liger_kernel" or m.startswith("liger_kernel.")]:
-        del sys.modules[name]
 
 
 def switches(liger=None, chunked_loss=None, cuda=True, strategy=SINGLE, model_type="llama", method="lora",
@@ -63,7 +38,7 @@ def switches(liger=None, chunked_loss=None, cuda=True, strategy=SINGLE, model_ty
 def test_liger_is_gated_wherever_the_chunked_loss_is(liger_kernel):
     """ZeRO-3, LoRA on the head and a quantized head keep out both losses that read the head's weight;
     an unset --liger is on where it can run and says why where it cannot."""
-    liger_kernel(WORKING)
+    liger_kernel(LIGER_WORKING)
     assert switches() == switches(liger=True) and switches().loss == "liger" and not switches().notes
     assert switches(method="full").loss == "liger"
     zero3 = switches(strategy=ZERO3)
@@ -108,7 +83,7 @@ def test_where_the_chunked_loss_runs(without_liger):
 
 
 def test_a_liger_that_does_not_import_costs_the_run_only_liger(liger_kernel):
-    liger_kernel(BROKEN)
+    liger_kernel(LIGER_BROKEN)
     line = ("running without Liger (liger-kernel 0.8.5 does not import: ImportError: cannot import name "
             "'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama')")
     for asked in (None, True):
@@ -122,7 +97,7 @@ def test_plan_dry_run_and_fit_check_count_an_unset_liger_as_the_run_turns_it_on(
     """With liger-kernel installed: `finetune plan`, the dry run's plan and the fit check (all from_run
     or the planner) plan Liger's loss as a CUDA run resolves it, and the plan's launch command resolves
     back to the planned workload, with --no-liger (and the chunked loss) pinned where the plan left Liger out."""
-    liger_kernel(WORKING)
+    liger_kernel(LIGER_WORKING)
     config = TrainConfig(model="mistral-7b", method="lora", max_seq_len=4096, micro_batch_size=2, gradient_checkpointing=True)
     run = resolve_run(config, Launch(), H100)
     assert choose_speedups(config, cuda=True, model_type="mistral").liger  # what the run turns on
