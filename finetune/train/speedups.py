@@ -3,19 +3,14 @@ loss, regional compilation of the decoder blocks, the attention kernel. Each one
 architecture Liger does not cover, a package not installed or not importing) says so in one line and the
 run goes on without it; numerically each is the plain path (tests/test_speedups.py,
 tests/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
-config/switches.py, which the planner, `--dry-run` and the fit check call too.
+config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
-Defaults. Liger (on CUDA, when liger-kernel is installed and imports: TRL SFTTrainer ran 1.20× faster
-with it on an H100, bench/RESULTS.md) is on where it can run; its fused loss, like the chunked loss,
-reads the LM head's weight outside the head's forward, so neither runs under ZeRO-3 or with LoRA on
-the head. The chunked loss is on for LoRA and QLoRA for the memory it saves (the full-vocabulary
-logits, likely the 2.2 GiB TRL held less than finetune in the 7B QLoRA run) and the time (1.15× the
-length-grouped Trainer on CPU; bench/RESULTS.md). Neither has run on a GPU in finetune yet: the GPU
-kit's first command (bench/gpu/run.sh) measures both. Compilation is off unless asked for until the
-GPU kit (bench/gpu/throughput.py) has measured it; its time is reported apart from training time.
-Attention `auto` is sdpa, packing included: flex attention (a document mask instead of a dense one)
-is not measured on a GPU, and transformers 5.17 recompiles it whenever the model flips between train
-and eval, so with --eval-every it can pass Dynamo's recompile limit and fall back to running eagerly.
+Defaults (README's table says which rest on a GPU run): Liger where it can run (TRL SFTTrainer ran
+1.20× faster with it on an H100, bench/RESULTS.md); the chunked loss for LoRA and QLoRA, for the
+logits it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
+its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
+attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
+train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
 """
 
 from __future__ import annotations
@@ -30,26 +25,17 @@ import torch
 
 from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
-from finetune.config.switches import liger_function, resolve_switches
+from finetune.config.switches import Switches, liger_function, resolve_switches
 from finetune.models import chunked_loss
 
 
 @dataclass(frozen=True)
-class Speedups:
-    """What a run turns on; `notes` says why a requested switch is off."""
+class Speedups(Switches):
+    """What a run turns on: config.switches' loss and AdamW, and compilation and the attention kernel;
+    `notes` says why a switch asked for is off."""
 
-    loss: str  # config.switches.LOSSES: Liger's fused loss, the chunked loss, or the model's own
-    compile: bool
-    attention: str  # "sdpa", "flex" or "flash"
-    notes: tuple[str, ...] = ()
-
-    @property
-    def liger(self) -> bool:
-        return self.loss == "liger"
-
-    @property
-    def chunked_loss(self) -> bool:
-        return self.loss == "finetune-chunked"
+    compile: bool = False
+    attention: str = "sdpa"  # "sdpa", "flex" or "flash"
 
 
 def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
@@ -64,7 +50,8 @@ def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: 
     attention = "sdpa" if config.attention == "auto" else config.attention  # flex unmeasured on a GPU
     if attention == "flash" and importlib.util.find_spec("flash_attn") is None:
         notes, attention = [*notes, "--attention flash: flash-attn is not installed; using sdpa"], "sdpa"
-    return Speedups(loss=switches.loss, compile=compile_, attention=attention, notes=tuple(notes))
+    return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=tuple(notes), compile=compile_,
+                    attention=attention)
 
 
 # transformers' names of the attention kernels
