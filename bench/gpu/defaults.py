@@ -153,7 +153,9 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
             group["foreach"] = True  # torch's default on CUDA, said outright
     ids = torch.randint(0, base.config.vocab_size, (run.batch.micro_batch_size, run.config.max_seq_len),
                         generator=torch.Generator().manual_seed(0)).to(target)
-    measured = updates(model, optimizer, ids, args.steps, baseline, keep_grads=case.method != "full")
+    # the forward under the autocast Accelerate wraps it in for the precision (-true included)
+    autocast = torch.autocast(target.type, dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
+    measured = updates(model, optimizer, ids, args.steps, baseline, autocast, keep_grads=case.method != "full")
     result |= {"status": "ok", "notes": " | ".join(said[:-1]), **measured.pop("fields")}
     if case.method != "full":
         result |= compared(case, measured, own)
@@ -171,9 +173,10 @@ def seed_adapters(model: torch.nn.Module) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
-def updates(model, optimizer, ids, steps: int, baseline: int, keep_grads: bool) -> dict:
-    """`steps` updates on `ids` (labels: the ids); the first step's loss and trainable gradients,
-    the peak allocated memory above `baseline`, what the optimizer step adds, ms per update."""
+def updates(model, optimizer, ids, steps: int, baseline: int, autocast, keep_grads: bool) -> dict:
+    """`steps` updates on `ids` (labels: the ids), each forward under `autocast`; the first step's loss
+    and trainable gradients, the peak allocated memory above `baseline`, what the optimizer step adds
+    (after the first, which creates the states), ms per update."""
     cuda = ids.is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -181,7 +184,8 @@ def updates(model, optimizer, ids, steps: int, baseline: int, keep_grads: bool) 
     for step in range(steps):
         synchronize(cuda)
         started = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if step == 0:
             first = {"loss": loss.item(), "grads": {name: p.grad.detach().float().cpu().clone()
