@@ -37,6 +37,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -278,14 +279,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def gpu_found(name: str | None):
-    """--gpu, else the catalog entry of GPU 0, else (no GPU: a dry run, or a run that will skip every row) the H200 lent now."""
+    """--gpu, else the catalog entry of GPU 0, else (no GPU: a dry run, or a run that will skip every
+    row) the H200 lent now. Asks nvidia-smi, so that this process holds no CUDA context while the rows run."""
     if name:
         return gpus.get(name)
-    import torch
-
-    if not torch.cuda.is_available():
+    query = ["nvidia-smi", "--id=0", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+    answer = subprocess.run(query, capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    if answer is None or answer.returncode != 0 or "," not in answer.stdout:
         return gpus.get("H200")
-    return gpus.get(memory.device_description(None)[0])
+    device, mib = answer.stdout.strip().rsplit(",", 1)
+    found = gpus.identify(device.strip(), float(mib) / 1024)
+    if found is None:
+        raise SystemExit(f"{device.strip()} is not in the GPU catalog (finetune/plan/gpus.py): pass --gpu")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
