@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
+import json
 import os
 import statistics
 import subprocess
@@ -110,8 +112,6 @@ def model_dir(shape: str, args: argparse.Namespace, weights: bool) -> Path:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         loading.materialize_random_init(spec, folder, seed=0, dtype=torch.bfloat16, device=device)
     elif not (folder / "config.json").is_file():
-        import json
-
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
     return folder
@@ -137,7 +137,7 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
     switches = run.switches()
     if case.method != "full" and switches.loss != case.variant:  # e.g. Liger without CUDA or liger-kernel
         return result | {"status": "skipped: " + "; ".join(switches.notes)}
-    target = torch.device("cuda" if device.cuda else "cpu")
+    target = torch.device("cuda", 0) if device.cuda else torch.device("cpu")
     release()
     baseline = torch.cuda.memory_allocated() if device.cuda else 0
     torch.manual_seed(0)
@@ -229,8 +229,6 @@ def synchronize(cuda: bool) -> None:
 
 def release() -> None:
     """Free what the last case left, so the next case's peak counts only its own tensors."""
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
