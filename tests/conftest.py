@@ -1,10 +1,12 @@
 """Shared fixtures: offline environment, session caches, fresh Accelerate state, tiny runs built by
-`train.setup`, the builtin tokenizer, the tiny BPE LoRA run and SmolLM2. Plain helpers are in helpers.py."""
+`train.setup`, the builtin tokenizer, the tiny BPE LoRA run, SmolLM2 and an installed liger-kernel.
+Plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -91,3 +93,30 @@ def smollm2_dir() -> Path:
     from finetune.models import loading
 
     return Path(loading.materialize(TrainConfig(model="smollm2-135m")))
+
+
+@pytest.fixture
+def liger_kernel(tmp_path, monkeypatch):
+    """install(source): a liger-kernel 0.8.5 whose monkey_patch module is `source` (helpers.LIGER_WORKING,
+    LIGER_BROKEN), importable for this test only; a second install replaces the first."""
+    from finetune.config.switches import liger_table
+
+    def forget() -> None:
+        liger_table.cache_clear()
+        for name in [m for m in sys.modules if m == "liger_kernel" or m.startswith("liger_kernel.")]:
+            del sys.modules[name]
+
+    def install(monkey_patch: str) -> None:
+        site = tmp_path / f"site-packages-{len(list(tmp_path.glob('site-packages-*')))}"
+        package = site / "liger_kernel"
+        (package / "transformers").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "transformers" / "__init__.py").write_text("")
+        (package / "transformers" / "monkey_patch.py").write_text(monkey_patch)
+        (site / "liger_kernel-0.8.5.dist-info").mkdir()
+        (site / "liger_kernel-0.8.5.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.5\n")
+        monkeypatch.syspath_prepend(str(site))
+        forget()
+
+    yield install
+    forget()

@@ -146,3 +146,10 @@ def train_steps(session, n: int, save: bool = True) -> list[float]:
 
 def weights(session) -> dict:
     return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
+
+
+# liger-kernel's monkey_patch module, for the `liger_kernel` fixture: one that covers llama and mistral
+# (its apply function marks the model), and what one built against another transformers raises on import
+LIGER_WORKING = ("def apply_liger_kernel_to_llama(model=None, **kwargs):\n    model.patched_by_liger = True\n"
+                 "MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': apply_liger_kernel_to_llama, 'mistral': apply_liger_kernel_to_llama}\n")
+LIGER_BROKEN = "raise ImportError(\"cannot import name 'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama'\")\n"

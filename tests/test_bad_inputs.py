@@ -181,6 +181,7 @@ CASES = [
     case("negative-counts", "--warmup-steps -1 --num-samples -2",
          "--warmup-steps must be ≥ 0", "--num-samples must be ≥ 0"),
     case("min-lr-ratio-above-1", "--min-lr-ratio 2", "--min-lr-ratio must be in [0, 1]"),
+    case("flex-attention-on-cpu", f"{RUN} --attention flex", "--attention flex needs a GPU", "--attention sdpa"),
     case("yaml-missing", "--config nope.yaml", "Config file not found: nope.yaml"),
     case("yaml-syntax", "--config run.yaml", "Invalid YAML in run.yaml line 3",
          files={"run.yaml": "lr: 1.0e-3\nmodel: [tiny\n"}),

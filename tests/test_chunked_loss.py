@@ -1,7 +1,7 @@
 """The chunked loss (models/chunked_loss.py) is the model's own loss, computed without the logits and
 only where there are targets: same loss and gradients for every architecture it covers, in every
 precision, with ignored tokens and token-weighted normalisation; untouched forwards without labels;
-and the one rule that decides where it runs (names.uses_chunked_loss)."""
+and a word where it cannot run (where it runs is tests/test_switches.py's)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from finetune.config.names import STRATEGIES, uses_chunked_loss
+from finetune.config.names import STRATEGIES
 from finetune.config.options import TrainConfig
 from finetune.models import chunked_loss
 from finetune.models.loading import prepare_for_training
@@ -52,7 +52,7 @@ def test_loss_and_gradients_equal_the_models_own(shape, precision):
     if precision == "bf16 weights":
         own = own.to(torch.bfloat16)
     chunked = copy.deepcopy(own)
-    assert chunked_loss.unsupported(chunked) is None
+    assert chunked_loss.head_problem(chunked) is None
     chunked_loss.install(chunked)
     tolerance = {"fp32": 1e-5, "bf16 weights": 2e-2, "bf16 autocast": 2e-2}[precision]
     for extra in ({}, {"num_items_in_batch": torch.tensor(50)}):  # the mean over kept tokens, or the loop's global count
@@ -106,7 +106,6 @@ def test_an_uncovered_head_keeps_the_models_own_loss_and_says_so_when_asked():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
-    assert "model type 'gpt2'" in chunked_loss.unsupported(gpt2)
     said = []
     apply_speedups(gpt2, TrainConfig(chunked_loss=True), cuda=False, say=said.append)
     assert said[0] == "--chunked-loss: model type 'gpt2' is not one of llama, mistral, qwen2; using the model's own loss"
@@ -126,27 +125,16 @@ def test_a_quantized_head_is_not_read_as_a_weight_matrix():
     quantized = bnb.nn.Linear4bit(head.in_features, head.out_features, bias=False, quant_type="nf4")
     quantized.load_state_dict(head.state_dict())
     model.set_output_embeddings(quantized.to("cpu"))  # packs the weight
-    assert chunked_loss.unsupported(model) == "its LM head is quantized"
+    assert chunked_loss.head_problem(model) == "its LM head is quantized"
+    said = []
+    apply_speedups(model, TrainConfig(chunked_loss=True), cuda=False, say=said.append)
+    assert said[0] == "--chunked-loss: its LM head is quantized; using the model's own loss"
 
 
 def test_where_liger_cannot_run_the_chunked_loss_stands_in_for_its_fused_loss():
     """--liger plans no logits; on CPU Liger does not run, and the chunked loss keeps that true."""
     said = []
     model = apply_speedups(tiny_model(vocab_size=VOCAB), TrainConfig(liger=True), cuda=False, say=said.append)
-    assert said == ["--liger: Liger's Triton kernels need a CUDA GPU; running without",
+    assert said == ["running without Liger (Liger's Triton kernels need a CUDA GPU)",
                     "speed switches: liger off, chunked loss on, compile off, attention sdpa"]
     assert model(**batch()).logits is None
-
-
-def test_where_the_chunked_loss_runs():
-    single, zero3 = STRATEGIES["single"], STRATEGIES["zero3"]
-    assert uses_chunked_loss(None, None, single, "llama", "lora", "all-linear")
-    assert uses_chunked_loss(None, None, single, "qwen2", "qlora", "q_proj,v_proj")
-    assert not uses_chunked_loss(None, None, single, "llama", "full", "all-linear")  # full: when asked for
-    assert uses_chunked_loss(True, None, STRATEGIES["fsdp"], "mistral", "full", "all-linear")
-    assert not uses_chunked_loss(False, None, single, "llama", "lora", "all-linear")
-    assert not uses_chunked_loss(True, True, single, "llama", "lora", "all-linear")  # Liger's own fused loss
-    assert not uses_chunked_loss(True, None, zero3, "llama", "lora", "all-linear")
-    assert not uses_chunked_loss(None, None, single, "gemma2", "lora", "all-linear")
-    assert not uses_chunked_loss(None, None, single, None, "lora", "all-linear")  # architecture unknown
-    assert not uses_chunked_loss(None, None, single, "llama", "lora", "q_proj,lm_head")

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO, tiny_model, word_rows, word_run_model, write_jsonl
+from helpers import LIGER_BROKEN, LIGER_WORKING, REPO, tiny_model, word_rows, word_run_model, write_jsonl
 
 KIT = REPO / "bench/gpu"
 sys.path.insert(0, str(KIT))
@@ -236,8 +236,9 @@ def test_results_table_and_csv_compare_measured_with_planned(tmp_path):
 
 
 def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
-    """Every row, finetune's with its plan, each with the command it runs: finetune's flags parse as
-    finetune's, the baselines' as baselines.py's, all on the same checkpoint, rows and shape."""
+    """Every row, finetune's with its plan for the GPU lent now (an H200, no GPU here), each with the
+    command it runs: finetune's flags parse as finetune's, the baselines' as baselines.py's, all on the
+    same checkpoint, rows and shape."""
     import baselines
     import throughput
     from finetune.config.options import parse_config
@@ -245,7 +246,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
                              "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)
     header, *lines = result.stdout.splitlines()
-    assert "mistral-7b qlora" in header and "micro batch 4" in header
+    assert "mistral-7b qlora" in header and "micro batch 4" in header and header.endswith("on H200:")
     args = throughput.parse_args(["--dry-run", "--method", "qlora", "--micro-batch-size", "4", "--work", str(tmp_path)])
     checkpoint = tmp_path / "random-init/mistral-7b"
     checkpoint.mkdir(parents=True)
@@ -255,13 +256,14 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
         assert line[:36].strip() == row.name and command.startswith("      $ ")
         argv = shlex.split(command.removeprefix("      $ "))
         if row.program == "finetune":
-            assert f"planned {throughput.planned(row, args):,.0f} tok/s" in line
+            plan = throughput.planned(row, args)
+            assert f"planned {plan['planned_tokens_per_second']:,.0f} tok/s, {plan['planned_allocated_gib']:.1f} GiB" in line
             config = parse_config(argv[3:])
             assert (config.model, config.dataset, config.method) == (str(checkpoint), str(tmp_path / "data-4096.jsonl"), "qlora")
             assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
                     config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
             assert config.chunked_loss in ((None, True) if row.chunked_loss else (False,))
-            if row.planned_layers:  # the plan's fewest checkpointed layers on an H100: a 7B QLoRA leaves room
+            if row.planned_layers:  # the plan's fewest checkpointed layers on the H200: a 7B QLoRA leaves room
                 assert config.gradient_checkpointing_layers == throughput.workload(row, args).recomputed_layers < 32
             else:
                 assert config.gradient_checkpointing_layers is None
@@ -272,12 +274,25 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
                 row.program, row.liger, "qlora", 4, 4096, 6)
             assert (parsed.checkpoint, parsed.data) == (checkpoint, tmp_path / "data-4096.jsonl")
     assert {row.program for row in throughput.ROWS} == {"finetune", "trl", "peft-loop"}
-    assert [row.program for row in throughput.ROWS][-2:] == ["finetune", "finetune"]  # compiled rows last
+
+
+def test_throughput_rows_measure_the_defaults_ab_pairs_first():
+    """A deadline leaves ~5 of the 10 rows: finetune with its defaults and each default's A/B come first
+    (the model's own loss, the planned partial checkpointing, Liger), then the anchor; compiled rows last."""
+    import throughput
+
+    names = [row.name for row in throughput.ROWS]
+    assert names[:5] == ["finetune", "finetune --no-chunked-loss", "finetune, ckpt as planned", "finetune --liger",
+                         "TRL SFTTrainer use_liger_kernel"]
+    assert [row.compile for row in throughput.ROWS][-2:] == [True, True] and not any(r.compile for r in throughput.ROWS[:-2])
+    default, own_loss, planned_layers, liger = throughput.ROWS[:4]
+    assert default.chunked_loss and not (default.liger or default.planned_layers)
+    assert not own_loss.chunked_loss and planned_layers.planned_layers and liger.liger
 
 
 def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
     """No row is dropped: without CUDA each is listed with why, the CSV has all of them, no
-    checkpoint is written, and the exit code says the finetune rows did not run."""
+    checkpoint is written, and the exit code says no finetune row could run."""
     import throughput
 
     args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
@@ -288,16 +303,50 @@ def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
     assert not (args.work / "random-init").exists()
 
 
-def test_rows_are_skipped_for_missing_packages_only(monkeypatch):
+@pytest.mark.parametrize("deadline, status, code", [(100, "not run: time (the deadline stopped it after 42 s)", 0),
+                                                     (None, "timeout", 1)])
+def test_a_row_the_deadline_stops_is_not_run_and_every_row_gets_finetunes_allocator(deadline, status, code, tmp_path,
+                                                                                     monkeypatch):
+    """Rows whose process the deadline stops are "not run", not failures (exit 0); a row that outlives its
+    own --row-timeout is a failure (exit 1). Every row's process, TRL's and the PEFT loop's too, starts
+    with the allocator finetune sets for itself. (The rows' processes are stood in for: no GPU here.)"""
     import throughput
 
-    installed = {"trl"}
-    monkeypatch.setattr(throughput.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    started = []
+
+    def process(command, log, timeout_s):
+        started.append((Path(command[1]).name if command[1] != "-m" else "finetune", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+        log.write_text("")
+        return {"status": "timeout", "seconds": 42.0}
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(throughput, "skip_reason", lambda row, cuda, model_type: None)
+    monkeypatch.setattr(throughput, "run_logged", process)
+    monkeypatch.setattr(memory, "random_checkpoint", lambda *args, **kwargs: None)
+    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--gpu", "H200",
+                                  *(["--deadline", str(time.time() + deadline)] if deadline else [])])
+    assert throughput.run_rows(args) == code
+    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
+    assert {r["status"] for r in rows} == {status} and {r["allocator"] for r in rows} == {"expandable_segments:True"}
+    assert {program for program, _ in started} == {"finetune", "baselines.py"}
+    assert {allocator for _, allocator in started} == {"expandable_segments:True"}
+
+
+def test_rows_are_skipped_for_missing_or_broken_packages_only(monkeypatch, liger_kernel):
+    import throughput
+
+    installed = {"trl"}  # and liger-kernel, as the fixture installs it
+    find_spec = throughput.importlib.util.find_spec
+    monkeypatch.setattr(throughput.importlib.util, "find_spec",
+                        lambda name, *rest: find_spec(name, *rest) if name in installed or name.startswith("liger") else None)
+    liger_kernel(LIGER_BROKEN)
     reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
     skipped = {name for name, reason in reasons.items() if reason}
     assert skipped == {row.name for row in throughput.ROWS if row.liger}
-    assert all(reasons[name].startswith("liger-kernel is not installed") for name in skipped)
-    installed = {"liger_kernel"}
+    assert all(reasons[name].startswith("liger-kernel 0.8.5 does not import: ImportError") for name in skipped)
+    installed.clear()
+    liger_kernel(LIGER_WORKING)
     reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
     assert {name for name, reason in reasons.items() if reason} == {"TRL SFTTrainer", "TRL SFTTrainer use_liger_kernel"}
 
@@ -306,10 +355,11 @@ def test_throughput_table_lines():
     import throughput
 
     finetune = {"row": "finetune --compile", "status": "ok", "tokens_per_second": 7512.4, "planned_tokens_per_second": 7142.0,
-                "allocated_gib": 21.456, "reserved_gib": 23.1, "seconds": 61.2, "compile_seconds": 48.7}
+                "allocated_gib": 21.456, "planned_allocated_gib": 20.9, "reserved_gib": 23.1, "seconds": 61.2,
+                "compile_seconds": 48.7}
     trl = {"row": "TRL SFTTrainer", "status": "skipped: trl is not installed", "planned_tokens_per_second": None}
-    assert throughput.table_line(finetune) == (f"{'finetune --compile':<34}     7,512     7,142  21.46 GiB allocated, "
-                                               "23.10 reserved, 61 s, 49 s compiling")
+    assert throughput.table_line(finetune) == (f"{'finetune --compile':<34}     7,512     7,142  21.46 (planned 20.90) GiB "
+                                               "allocated, 23.10 reserved, 61 s, 49 s compiling")
     assert throughput.table_line(trl) == f"{'TRL SFTTrainer':<34}         –         –  skipped: trl is not installed"
 
 
@@ -389,3 +439,49 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
     trainer.add_callback(clock)
     trainer.train()
     assert len(clock.seconds) == 2 and [r["num_tokens"] for r in trainer.state.log_history if "loss" in r] == [64, 128]
+
+
+def defaults_rows(tmp_path: Path, *flags: str) -> list[dict]:
+    """bench/gpu/defaults.py run with `flags` (in its own process: it sets the allocator before torch loads)."""
+    done = subprocess.run([sys.executable, str(KIT / "defaults.py"), "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return list(csv.DictReader((tmp_path / "out/defaults.csv").open()))
+
+
+def test_defaults_dry_run_plans_every_case_for_the_gpu_lent_now(tmp_path):
+    """The cases in their order (the model's own loss and the chunked loss, fused and foreach AdamW,
+    then Liger), each planned for the H200 (no GPU here): the chunked loss and Liger plan less than
+    the model's own loss, and foreach AdamW a step scratch that fused has not."""
+    rows = defaults_rows(tmp_path, "--dry-run")
+    assert "on H200" in (tmp_path / "out/defaults.md").read_text().splitlines()[0]
+    assert [(r["shape"], r["method"], r["variant"]) for r in rows][:4] == [
+        ("mistral-7b", "lora", "transformers"), ("mistral-7b", "lora", "finetune-chunked"),
+        ("mistral-7b", "qlora", "transformers"), ("mistral-7b", "qlora", "finetune-chunked")]
+    assert [r["variant"] for r in rows][-4:] == ["liger"] * 4 and {r["status"] for r in rows} == {"dry run"}
+    planned = {(r["shape"], r["method"], r["variant"]): float(r["planned_gib"]) for r in rows}
+    for shape in ("mistral-7b", "llama-3.1-8b"):
+        for method in ("lora", "qlora"):
+            own = planned[(shape, method, "transformers")]
+            assert planned[(shape, method, "liger")] <= planned[(shape, method, "finetune-chunked")] < own
+        step = {r["variant"]: float(r["planned_step_gib"]) for r in rows if (r["shape"], r["method"]) == (shape, "full")}
+        assert step["fused"] == 0 < step["foreach"]
+
+
+def test_defaults_run_on_cpu_through_the_trainers_own_pieces(tmp_path):
+    """The GPU check's own code on this CPU, on a 2-layer cut of the catalog's tiny model in fp32: the
+    chunked loss gives the model's own loss and LoRA gradients (LoRA and QLoRA), fused and foreach
+    AdamW the same loss, Liger's cases are skipped with the run's one line, and the allocator says
+    there is no CUDA device. (Peak memory is CUDA's only: not measured here.)"""
+    rows = defaults_rows(tmp_path, "--shapes", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--precision", "fp32",
+                         "--full-precision", "fp32", "--steps", "2")
+    by_case = {(r["method"], r["variant"]): r for r in rows}
+    assert by_case[("allocator", "set before torch loads (finetune's entry)")]["notes"].startswith("no CUDA device")
+    for method in ("lora", "qlora"):
+        own, chunked = by_case[(method, "transformers")], by_case[(method, "finetune-chunked")]
+        assert own["status"] == chunked["status"] == "ok" and float(own["ms_per_update"]) > 0
+        assert abs(float(chunked["loss_vs_own"])) < 1e-5 and 0 < float(chunked["grads_vs_own"]) < 1e-4
+        assert by_case[(method, "liger")]["status"] == "skipped: running without Liger (Liger's Triton kernels need a CUDA GPU)"
+    fused, foreach = by_case[("full", "fused")], by_case[("full", "foreach")]
+    assert fused["status"] == foreach["status"] == "ok" and fused["loss"] == foreach["loss"]
+    assert float(fused["planned_step_gib"]) == 0 < float(foreach["planned_step_gib"])

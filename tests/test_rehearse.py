@@ -59,6 +59,13 @@ def test_rehearsal_config_keeps_what_decides_the_code_path(tmp_path):
     assert (pinned.micro_batch_size, pinned.gradient_accumulation_steps, pinned.global_batch_size) == (4, 8, None)
 
 
+def test_a_plans_partial_checkpointing_stays_partial_on_the_shrunk_model():
+    """A plan's --gradient-checkpointing-layers 43 of 80 would be refused by the 2-layer copy: some
+    layers stay some (the first), all stay all."""
+    assert rehearse.shrunk_checkpointed_layers(43, 80) == 1 == rehearse.SHRUNK_LAYERS - 1
+    assert rehearse.shrunk_checkpointed_layers(80, 80) is None and rehearse.shrunk_checkpointed_layers(None, 80) is None
+
+
 @pytest.mark.parametrize(("text", "says"), [
     ("distributed_type: MULTI_GPU\nnum_processes: [2\n", "expected ',' or ']'"),
     ("distributed_type: MULTI_GPU\nnum_processes: all\n", "num_processes must be a whole number, got 'all'"),

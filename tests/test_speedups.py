@@ -8,6 +8,8 @@ import torch
 from helpers import tiny_model
 
 from finetune.config.options import TrainConfig, parse_config
+from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.errors import ConfigError
 from finetune.train.speedups import apply_speedups, choose_speedups, compile_blocks
 
 
@@ -17,13 +19,24 @@ def test_flags_parse_with_auto_defaults():
     assert (config.liger, config.compile, config.attention) == (True, False, "flex")
 
 
-def test_auto_is_off_on_cpu_and_compilation_is_off_until_asked_for():
+def test_auto_is_off_on_cpu_and_compilation_and_flex_are_off_until_asked_for():
     cpu = choose_speedups(TrainConfig(packing=True), cuda=False, model_type="llama")
     assert (cpu.liger, cpu.compile, cpu.attention, cpu.notes) == (False, False, "sdpa", ())
     cuda = choose_speedups(TrainConfig(packing=True, method="lora"), cuda=True, model_type="llama")
-    assert not cuda.compile and cuda.attention == "flex"  # compilation is not measured on a GPU yet
+    assert not cuda.compile and cuda.attention == "sdpa"  # neither compilation nor flex is measured on a GPU yet
     assert choose_speedups(TrainConfig(compile=True, method="qlora"), cuda=True, model_type="llama").compile
-    assert choose_speedups(TrainConfig(), cuda=True, model_type="llama").attention == "sdpa"  # no packing
+    assert choose_speedups(TrainConfig(attention="flex", packing=True), cuda=True, model_type="llama").attention == "flex"
+
+
+def test_flex_attention_on_cpu_is_refused_before_anything_loads(tmp_path):
+    """FlexAttention has no backward on CPU: refused when the run resolves, before any weights load."""
+    config = TrainConfig(attention="flex", packing=True, output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as refused:
+        resolve_run(config, Launch(), Device())
+    assert str(refused.value) == ("--attention flex needs a GPU (FlexAttention has no backward on CPU); on CPU use "
+                                  "--attention sdpa (or auto).")
+    assert resolve_run(config, Launch(), Device(cuda=True, bf16=True)).config.attention == "flex"
+    assert not (tmp_path / "out").exists()
 
 
 def test_compile_time_is_reported_apart_from_training_time(tmp_path):
@@ -49,7 +62,7 @@ def test_compile_time_is_reported_apart_from_training_time(tmp_path):
 def test_a_switch_that_cannot_apply_says_so_in_one_line_and_the_run_goes_on():
     said = []
     model = apply_speedups(tiny_model(), TrainConfig(liger=True), cuda=False, say=said.append)
-    assert said[0] == "--liger: Liger's Triton kernels need a CUDA GPU; running without"
+    assert said[0] == "running without Liger (Liger's Triton kernels need a CUDA GPU)"
     assert said[-1] == "speed switches: liger off, chunked loss on, compile off, attention sdpa"  # standing in for Liger's loss
     assert model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.isfinite()
     chosen = choose_speedups(TrainConfig(attention="flash"), cuda=True, model_type="llama")

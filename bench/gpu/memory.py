@@ -2,7 +2,7 @@
 set beside the planner's prediction for exactly that run.
 
     python bench/gpu/memory.py --out DIR [--deadline EPOCH_SECONDS]        # on the GPU (bench/gpu/run.sh)
-    python bench/gpu/memory.py --dry-run [--gpu H100-80GB] [--limit N]      # the grid and its predictions, no GPU
+    python bench/gpu/memory.py --dry-run [--gpu H200] [--limit N]           # the grid and its predictions, no GPU
 
 Each row is `python -m finetune … --max-steps N` on a random-init checkpoint of the catalog shape
 (written once per shape, in 16-bit like the published weights, and reused by every row) with text
@@ -84,7 +84,7 @@ class Row:
                 "--max-seq-len", str(self.seq_len),
                 "--gradient-checkpointing" if self.gradient_checkpointing else "--no-gradient-checkpointing",
                 "--optimizer", "adamw", "--lora-r", "16", "--lora-targets", "all-linear",
-                "--no-liger", "--no-compile",  # eager and unfused, as plans count unset switches (the chunked loss as resolved)
+                "--no-liger", "--no-compile",  # Liger pinned off (defaults.py and throughput.py measure it), eager
                 "--dataset", str(data), "--format", "text", "--eval-split", "0.05", "--max-eval-examples", "1",
                 "--max-steps", str(steps), "--warmup-steps", "0", "--lr-schedule", "constant", "--log-every", "1",
                 "--no-save-final", "--num-samples", "0", "--seed", "0", "--output-dir", str(output_dir)]
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="scratch: random-init checkpoints, data, runs (default: a temporary dir)")
     parser.add_argument("--deadline", type=float, help="epoch seconds after which no row may still run")
     parser.add_argument("--dry-run", action="store_true", help="list the grid with predictions, run nothing (no GPU needed)")
-    parser.add_argument("--gpu", help="catalog GPU to predict for (default: GPU 0; required with --dry-run on CPU)")
+    parser.add_argument("--gpu", help="catalog GPU to predict for (default: GPU 0; a dry run without one: H200)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--limit", type=int, help="only the first N rows of the grid")
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="each row as its own `python -m finetune` (as users run it) instead of forked from a preloaded server")
     args = parser.parse_args(argv)
     if args.dry_run and args.gpu is None:
-        args.gpu = "H100-80GB"
+        args.gpu = "H200"  # the GPU lent now; the H100's rows of 2026-11-25 stay in bench/gpu/measured/
     gpu, capacity, device = device_description(args.gpu)
     rows = least_sure_first(grid(args.models.split(","), args.methods.split(",")), gpu)[: args.limit]
     work = args.work or DEFAULT_WORK

@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # The GPU validation kit: one device command, under 10 minutes, results only under $OUT.
 #   bash bench/gpu/wheels.sh                                              # once, on the CPU machine
-#   run(command="bash bench/gpu/run.sh", carry=["bench/gpu/wheels"])       # on the device
+#   run(command="bash bench/gpu/run.sh", carry=["bench/gpu/wheels"])       # on the device: the first command a GPU gets
 # Steps (each prints "== step" into $OUT/run.log):
 #   1. environment: GPU, driver, packages                         → $OUT/environment.txt
 #   2. install the carried wheels the image lacks (offline, never replacing installed packages),
 #      then the project (--no-deps)                                → $OUT/pip-check.txt
 #   3. stop with exit code 3 when there is no CUDA device (everything above runs on CPU too)
-#   4. pytest -m gpu: real CUDA steps of every method, FSDP2, ZeRO-2-offload, resume/export, fit check
-#                                                                  → $OUT/gpu-tests.log, gpu-tests.xml
-#   5. finetune doctor                                             → $OUT/doctor.txt, doctor.json
-#   6. bench/gpu/throughput.py (KIT_STEPS=throughput): finetune ± Liger/compile vs TRL SFTTrainer ± Liger
-#      vs a bare PEFT loop on a random-init Mistral-7B, compiled rows last, until the deadline
+#   4. bench/gpu/defaults.py (KIT_STEPS=defaults, ~KIT_DEFAULTS_SECONDS): on 2-layer cuts of full-width
+#      Mistral-7B and Llama-3.1-8B, the model's own loss vs the chunked loss vs Liger for LoRA and QLoRA
+#      (loss, LoRA gradients, peak memory vs plan, ms per update), fused vs foreach AdamW, whether
+#      expandable segments take effect                             → $OUT/defaults.md, defaults.csv
+#   5. bench/gpu/throughput.py (KIT_STEPS=throughput): the 7B rows, finetune's defaults and their A/B
+#      first (--no-chunked-loss, the planned partial checkpointing with its memory vs the plan, --liger),
+#      then TRL + Liger, TRL, a bare PEFT loop, the compiled rows, until the deadline
 #                                                                  → $OUT/throughput.csv, throughput-*.log
-#   7. bench/gpu/memory.py until the deadline, rows forked from a preloaded server (forked.py)
-#                                                                  → $OUT/memory.md, memory.csv
-# Knobs: KIT_SECONDS (total budget, default 570), KIT_TEST_SECONDS (cap for step 4, default 300),
-# KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init checkpoints, caches; default /tmp/finetune-gpukit,
-# reused by a second command on the same machine),
-# KIT_STEPS (default "tests doctor memory"; e.g. "memory" to spend a second command on more rows, "throughput"
-# for the comparison: its 10 rows of a 7B, the most telling first, take most of one command), KIT_MEMORY_ARGS (extra memory.py flags,
-# e.g. "--models llama-7b,llama-3.1-8b"), KIT_THROUGHPUT_ARGS (extra throughput.py flags, e.g. "--method qlora
-# --micro-batch-size 4").
+#   6. pytest -m gpu (KIT_STEPS=tests): real CUDA steps of every method, FSDP2, ZeRO-2-offload,
+#      resume/export, fit check                                    → $OUT/gpu-tests.log, gpu-tests.xml
+#   7. finetune doctor (KIT_STEPS=doctor)                          → $OUT/doctor.txt, doctor.json
+#   8. bench/gpu/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
+#      (forked.py)                                                 → $OUT/memory.md, memory.csv
+# Knobs: KIT_STEPS (default "defaults throughput": what a lent GPU answers first; "tests doctor memory" for a
+# second command), KIT_SECONDS (total budget, default 570), KIT_DEFAULTS_SECONDS (cap for step 4, default 200),
+# KIT_TEST_SECONDS (cap for step 6, default 300), KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init
+# checkpoints, caches; default /tmp/finetune-gpukit, reused by a second command on the same machine),
+# KIT_MEMORY_ARGS (extra memory.py flags, e.g. "--models llama-7b,llama-3.1-8b"), KIT_THROUGHPUT_ARGS (extra
+# throughput.py flags, e.g. "--method qlora --micro-batch-size 4"), KIT_DEFAULTS_ARGS (extra defaults.py flags).
 set -euo pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 cd "$(dirname "$0")/../.."
@@ -29,7 +33,7 @@ START=$(date +%s)
 BUDGET=${KIT_SECONDS:-570}
 WHEELS=${KIT_WHEELS:-bench/gpu/wheels}
 WORK=${KIT_WORK:-/tmp/finetune-gpukit}
-STEPS=${KIT_STEPS:-tests doctor memory}
+STEPS=${KIT_STEPS:-defaults throughput}
 mkdir -p "$OUT" "$WORK"
 export HF_HOME="$WORK/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" TRITON_CACHE_DIR="$WORK/triton" MPLCONFIGDIR="$WORK/mpl" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor"
@@ -64,6 +68,23 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
   exit 3
 fi
 
+if wanted defaults; then
+  step "defaults: the losses, AdamW and the allocator on 2-layer cuts"
+  cap=${KIT_DEFAULTS_SECONDS:-200}; (( $(left) - 10 < cap )) && cap=$(( $(left) - 10 ))
+  # no case starts within 20 s of the deadline; the timeout only stops one that hangs (its row is then missing)
+  # shellcheck disable=SC2086
+  timeout --kill-after 10 $(( cap + 40 )) python bench/gpu/defaults.py --out "$OUT" --work "$WORK/defaults" \
+    --deadline $(( $(date +%s) + cap )) ${KIT_DEFAULTS_ARGS:-} || echo "defaults: exit $? (see defaults.md)"
+  rm -rf "$WORK/defaults"
+fi
+
+if wanted throughput; then
+  step "throughput: finetune's defaults and their A/B, TRL, a bare PEFT loop"
+  # shellcheck disable=SC2086
+  python bench/gpu/throughput.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_THROUGHPUT_ARGS:-} \
+    || echo "throughput: exit $? (a finetune row failed; see throughput.csv)"
+fi
+
 if wanted tests; then
   step "pytest -m gpu"
   cap=${KIT_TEST_SECONDS:-300}; budget=$(( $(left) - 150 )); (( budget < cap )) && cap=$budget
@@ -78,13 +99,6 @@ if wanted doctor; then
   python -m finetune doctor --output-dir "$WORK" > "$OUT/doctor.txt" 2>&1 || true
   python -m finetune doctor --output-dir "$WORK" --json > "$OUT/doctor.json" 2>/dev/null || true
   cat "$OUT/doctor.txt"
-fi
-
-if wanted throughput; then
-  step "throughput: finetune vs TRL vs a bare PEFT loop"
-  # shellcheck disable=SC2086
-  python bench/gpu/throughput.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_THROUGHPUT_ARGS:-} \
-    || echo "throughput: exit $? (a finetune row did not run; see throughput.csv)"
 fi
 
 if wanted memory; then

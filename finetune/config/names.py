@@ -182,32 +182,5 @@ def zero_strategy(stage: int, source: str) -> Strategy:
 
 # Architectures whose CausalLM head is a bare linear layer over the backbone's last hidden state (no
 # logit scaling, soft-capping, bias or auxiliary loss): the chunked loss (models/chunked_loss.py) is
-# checked against each one's own loss (tests/test_chunked_loss.py).
+# checked against each one's own loss (tests/test_chunked_loss.py); config/switches.py decides where it runs.
 CHUNKED_LOSS_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-
-def chunked_loss_blocked(liger: bool | None, strategy: Strategy, model_type: str | None, method: str,
-                         lora_targets: str) -> str | None:
-    """Why the chunked loss cannot run in such a run, or None."""
-    if liger:
-        return "Liger's fused loss replaces it"
-    if strategy.zero_stage == 3:  # the chunked loss reads the head's weight without calling the head
-        return "ZeRO-3 gathers the LM head's weight only inside the head's own forward"
-    if model_type not in CHUNKED_LOSS_ARCHITECTURES:
-        return f"model type {model_type!r} is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}"
-    if method != "full" and "lm_head" in lora_targets.split(","):
-        return "LoRA adapts the LM head itself"
-    return None
-
-
-def chunked_loss_wanted(asked: bool | None, method: str) -> bool:
-    """When asked for, and by default for LoRA and QLoRA, whose head is frozen (full fine-tuning would
-    keep the head's fp32 gradient from the forward, which outweighs the logits of short micro-batches)."""
-    return asked if asked is not None else method != "full"
-
-
-def uses_chunked_loss(asked: bool | None, liger: bool | None, strategy: Strategy, model_type: str | None, method: str,
-                      lora_targets: str) -> bool:
-    """Whether a run's loss goes through the LM head in chunks: wanted and not blocked. The planner and
-    the trainer both decide it here."""
-    return chunked_loss_wanted(asked, method) and chunked_loss_blocked(liger, strategy, model_type, method, lora_targets) is None

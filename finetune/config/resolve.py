@@ -22,7 +22,8 @@ from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
-                                   uses_chunked_loss, zero_strategy)
+                                   zero_strategy)
+from finetune.config.switches import Switches, resolve_switches
 
 # how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
 LAUNCH_DEEPSPEED = "accelerate config (deepspeed_config section; delete a key there to let finetune set it)"
@@ -166,17 +167,20 @@ class ResolvedRun:
     deepspeed: DeepSpeedSetup | None
     max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
     given: frozenset[str] = EVERY_OPTION  # the options the user set (flags, YAML); the rest are defaults
+    cuda: bool = False  # trains on a GPU (`--dry-run --gpu NAME`: as on that GPU)
 
     @property
     def world_size(self) -> int:
         return self.batch.world_size
 
-    @property
-    def chunked_loss(self) -> bool:
-        """Whether the loss goes through the LM head in chunks (names.uses_chunked_loss)."""
+    def switches(self, head_problem: str | None = None) -> Switches:
+        """Liger, the chunked loss and fused AdamW as this run turns them on (config.switches);
+        `head_problem`: what the loaded LM head rules out, once there is one."""
         config = self.config
-        return uses_chunked_loss(config.chunked_loss, config.liger, self.strategy,
-                                 self.spec.model_type if self.spec is not None else None, config.method, config.lora_targets)
+        return resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
+                                method=config.method, lora_targets=config.lora_targets, cuda=self.cuda,
+                                strategy=self.strategy, model_type=self.spec.model_type if self.spec is not None else None,
+                                head_problem=head_problem)
 
     def with_max_steps(self, max_steps: int) -> ResolvedRun:
         return replace(self, max_steps=max_steps)
@@ -224,11 +228,19 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy, offload)
+    check_attention(config.attention, device)
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
     return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
-                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, given=given)
+                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, given=given, cuda=device.cuda)
+
+
+def check_attention(attention: str, device: Device) -> None:
+    """FlexAttention has no backward on CPU: a CPU run asking for it would fail at its first backward."""
+    if attention == "flex" and not device.cuda:
+        raise ConfigError("--attention flex needs a GPU (FlexAttention has no backward on CPU); on CPU use --attention "
+                          "sdpa (or auto).")
 
 
 def check_seq_len(max_seq_len: int, spec: ModelSpec | None) -> None:

@@ -208,6 +208,14 @@ def rehearsal_config(config: TrainConfig, model_dir: Path, output_dir: Path, ste
     )
 
 
+def shrunk_checkpointed_layers(recomputed: int | None, layers: int | None) -> int | None:
+    """--gradient-checkpointing-layers for the shrunk model: all of them stays all (unset); some of
+    them (a plan's partial checkpointing) stays some, the first of its SHRUNK_LAYERS."""
+    if recomputed is None or layers is None or recomputed >= layers:
+        return None
+    return min(recomputed, SHRUNK_LAYERS - 1)
+
+
 def launch_command(accelerate_config: str | None, num_processes: int, port: int, run_yaml: Path,
                    mixed_precision: str | None = None) -> list[str]:
     """`accelerate launch` of the training CLI on one machine, optionally overriding the config's
@@ -268,6 +276,8 @@ def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, 
     run_yaml = workdir / "rehearsal.yaml"
     pinned = frozenset(name for name in PINNABLE if name in given and getattr(real.config, name) is not None)
     rehearsal = rehearsal_config(real.config, model_dir, run_dir, steps, pinned=pinned)
+    rehearsal = dataclasses.replace(rehearsal, gradient_checkpointing_layers=shrunk_checkpointed_layers(
+        real.config.gradient_checkpointing_layers, real.spec.num_layers if real.spec is not None else None))
     deepspeed, notes = rehearsal_deepspeed_json(real, rehearsal, processes, workdir)
     save_yaml(dataclasses.replace(rehearsal, deepspeed=deepspeed), run_yaml)
     command = launch_command(accelerate_config, processes, free_port(), run_yaml, mixed_precision="no")

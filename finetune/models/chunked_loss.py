@@ -23,15 +23,13 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, IGNORE_INDEX
+from finetune.config.names import IGNORE_INDEX
 from finetune.plan.memory import chunk_tokens
 
 
-def unsupported(model: torch.nn.Module) -> str | None:
-    """Why the chunked loss cannot replace this model's own, or None (the architectures are those of
-    names.CHUNKED_LOSS_ARCHITECTURES; this checks the loaded head itself)."""
-    if model.config.model_type not in CHUNKED_LOSS_ARCHITECTURES:
-        return f"model type {model.config.model_type!r} is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}"
+def head_problem(model: torch.nn.Module) -> str | None:
+    """What rules out reading this loaded model's LM head as a weight matrix outside its forward
+    (the chunked loss and Liger's fused loss both do), or None: config.switches gates both on it."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return "its LM head is not a plain linear layer"

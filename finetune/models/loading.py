@@ -176,7 +176,7 @@ def build_skeleton(run: ResolvedRun):
         quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
     model = prepare_for_training(model, run.config)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if run.chunked_loss and chunked_loss.unsupported(base) is None:  # as train.speedups installs it
+    if run.switches(chunked_loss.head_problem(base)).chunked_loss:  # as train.speedups installs it
         chunked_loss.install(base)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:

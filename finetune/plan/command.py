@@ -61,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with checkpointing: recompute only the first N decoder layers (default: the fewest that "
                         f"keep the plan within {PARTIAL_CHECKPOINTING_HEADROOM * 100:.0f} %% of the GPU)")
     parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
-                        help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock); default off")
+                        help="plan with Liger kernels (no full-vocabulary logits, faster GPU clock), also where "
+                        "liger-kernel is not installed here; default: as the trainer decides it (on where liger-kernel "
+                        "is installed here and imports, not under ZeRO-3 or with LoRA on lm_head)")
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,
                         help="plan the loss through the LM head in chunks (no full-vocabulary logits); default: as "
-                        "the trainer decides it (on for LoRA/QLoRA, not with --liger, ZeRO-3 or LoRA on lm_head)")
+                        "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")

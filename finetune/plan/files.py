@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config.names import uses_chunked_loss
+from finetune.config.switches import resolve_switches
 from finetune.plan.choose import Plan
 from finetune.plan.cluster import cluster_texts
 from finetune.plan.memory import DS_BUCKET_ELEMENTS
@@ -129,11 +129,23 @@ def checkpointing_flags(w: Workload) -> list[str]:
 
 
 def speed_flags(w: Workload) -> list[str]:
-    """The speed switches the plan counted on (each changes its memory or speed terms); the chunked
-    loss only when the plan left it off where the trainer would turn it on."""
-    chunked_by_default = uses_chunked_loss(None, False, w.strategy, w.model.model_type, w.method, w.lora_targets)
-    return (["--liger"] * (w.loss == "liger") + ["--no-chunked-loss"] * (w.loss == "transformers" and chunked_by_default)
-            + ["--compile"] * w.compile)
+    """The speed switches the plan counted on (each changes its memory or speed terms), where the
+    trainer left to itself would decide otherwise (config.switches, on a GPU with this machine's
+    packages): --liger, or --no-liger and the chunked loss pinned as planned."""
+    def loss(liger: bool | None, chunked: bool | None = None) -> str:
+        return resolve_switches(liger=liger, chunked_loss=chunked, optimizer=w.optimizer, method=w.method,
+                                lora_targets=w.lora_targets, cuda=True, strategy=w.strategy,
+                                model_type=w.model.model_type).loss
+
+    flags, default = [], loss(None)
+    if w.loss == "liger" and default != "liger":
+        flags.append("--liger")
+    if w.loss != "liger" and default == "liger":
+        flags.append("--no-liger")
+        default = loss(False)
+    if w.loss != "liger" and w.loss != default:
+        flags.append("--chunked-loss" if w.loss == "finetune-chunked" else "--no-chunked-loss")
+    return flags + ["--compile"] * w.compile
 
 
 def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR, flags: list[str] | None = None) -> str:

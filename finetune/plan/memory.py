@@ -330,6 +330,36 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     return tokens * (kept + at_loss) + copies + chunk_scratch_bytes(w), tokens * (kept + in_layer) + copies
 
 
+def kept_layer_activations(w: Workload) -> float:
+    """Bytes the decoder layers that do not recompute hold for backward, per GPU: the activations
+    no GPU run has measured beyond MEASURED_KEPT_TOKENS (see `unmeasured_terms`)."""
+    return w.tokens_per_micro_batch * (w.model.num_layers - w.recomputed_layers) * layer_activation_bytes(w)
+
+
+# The most tokens per micro-batch of a measured GPU run that kept every layer's activations (no
+# checkpointing: bench/gpu/measured/h100-2026-11-25.csv, llama-3.2-1b at 2048 × 1). The measured
+# 7B runs at 4096 × 2 and 4096 × 4 checkpointed every layer (planned within 3 %).
+MEASURED_KEPT_TOKENS = 2048
+
+
+def unmeasured_terms(w: Workload) -> list[str]:
+    """What of `w`'s memory no GPU run has measured yet (bench/gpu/measured/*.csv; the GPU kit's
+    first command measures each): every plan lists them, and the partial checkpointing
+    recommendation keeps a margin on the first (plan.choose.KEPT_ACTIVATIONS_MARGIN)."""
+    terms = []
+    kept = w.model.num_layers - w.recomputed_layers
+    if kept and (w.partial_checkpointing or w.tokens_per_micro_batch > MEASURED_KEPT_TOKENS):
+        terms.append(f"activations of the {kept} decoder layers that keep theirs "
+                     f"({kept_layer_activations(w) / GIB:.1f} GiB at {w.tokens_per_micro_batch:,} tokens per micro-batch)")
+    if w.loss == "liger":
+        terms.append("Liger's fused loss (counted as holding no logits)")
+    if w.loss == "finetune-chunked":
+        terms.append(f"the chunked loss's scratch ({chunk_scratch_bytes(w) / GIB:.2f} GiB, simulated on CPU)")
+    if w.fused_optimizer and w.optimizer == "adamw" and not w.deepspeed:
+        terms.append("fused AdamW's step (counted without foreach temporaries)")
+    return terms
+
+
 def autocast_weight_copies(w: Workload) -> float:
     """Under autocast, fp32 weights are cast to 16 bits for each matmul, and backward keeps those
     copies: one 16-bit copy of every matmul weight (a checkpointed layer's only while it recomputes).

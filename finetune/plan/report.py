@@ -7,7 +7,7 @@ from pathlib import Path
 
 from finetune.plan.choose import Plan, Request, describe
 from finetune.plan.files import launch_command, ray_command
-from finetune.plan.memory import GIB, trainable_params
+from finetune.plan.memory import GIB, trainable_params, unmeasured_terms
 from finetune.plan.params import count_params
 from finetune.plan.workload import Workload
 
@@ -40,6 +40,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
             "device": _gib(m.device(w.world_size)),
         },
         "peak_phase": m.peak_phase,
+        "memory_unmeasured": unmeasured_terms(w),
         "host_memory_gib": _gib(m.host),
         "host_memory_detail_gib": {"offload": _gib(m.host_offload), "loading": _gib(m.host_loading)},
         "trainable_params": trainable_params(w),

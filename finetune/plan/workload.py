@@ -52,7 +52,7 @@ class Workload:
     # those parameters keep the precision's weight dtype (fp32 for -mixed, 16-bit for -true).
     kbit_upcast: bool = False
     bnb_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit kept its 16-bit input for backward
-    loss: str = "transformers"  # how logits and cross-entropy are held: see memory.LOSS_BYTES_PER_VOCAB
+    loss: str = "transformers"  # how logits and cross-entropy are held (config.switches.LOSSES): see memory.LOSS_BYTES_PER_VOCAB
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
@@ -103,7 +103,7 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
 
     Raises FinetuneError when the planner cannot read the model's architecture without a download.
     """
-    config = run.config
+    config, switches = run.config, run.switches()
     if run.spec is None:
         raise FinetuneError(
             f"Cannot plan --model {config.model}: its architecture is not in the catalog and no config.json is "
@@ -117,8 +117,7 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         lora_r=config.lora_r, lora_targets=config.lora_targets, lora_dropout=config.lora_dropout,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
-        # switches left unset resolve on the device (train.speedups); plan Liger and compilation as
-        # off, and the chunked loss as the run resolves it
-        loss="liger" if config.liger else "finetune-chunked" if run.chunked_loss else "transformers",
-        compile=bool(config.compile),
+        # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
+        # compilation is off unless asked for
+        loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile),
     )

@@ -107,7 +107,8 @@ def build(run: ResolvedRun) -> Built:
     model, fake_mode = loading.build_skeleton(run)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    optimizer = build_optimizer(run.config, model, run.peak_lr)  # bitsandbytes builds real code tables here
+    # bitsandbytes builds real code tables here
+    optimizer = build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw)
     with fake_mode:
         for param in trainable:
             param.grad = torch.zeros_like(param)

@@ -68,17 +68,18 @@ def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, schedule: str
     return LRSchedule(warmup_steps, max_steps, schedule, min_lr_ratio)(step)
 
 
-def build_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (betas, eps and weight decay from the config, where a
-    DeepSpeed JSON's optimizer section may have put them); 8-bit variants come from bitsandbytes."""
+    DeepSpeed JSON's optimizer section may have put them); 8-bit variants come from bitsandbytes.
+    `fused`: torch's one-kernel AdamW, where config.switches.fused_adamw says the run has it (on a
+    GPU: no foreach temporaries at the step); else torch's default for the parameters' device."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise FinetuneError("The model has no trainable parameters; check --method and --lora-targets.")
     kwargs = {"lr": lr, "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
               "eps": config.adam_epsilon}
     if config.optimizer == "adamw":
-        # one fused kernel per step on CUDA: fewer launches and no foreach temporaries
-        return torch.optim.AdamW(params, **kwargs, fused=all(p.is_cuda for p in params) or None)
+        return torch.optim.AdamW(params, **kwargs, fused=fused or None)
     try:
         import bitsandbytes as bnb
     except ImportError as e:

@@ -150,7 +150,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     collator = Collator(tokenizer)
     train_loader = train_dataloader(data.train, run.batch, config, collator)
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
-    optimizer = build_optimizer(config, model, run.peak_lr)
+    optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
     scheduler = build_scheduler(config, optimizer, run.max_steps)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     progress = Progress()

@@ -77,7 +77,7 @@ def simulate(run: ResolvedRun) -> Simulation:
 
     model, fake_mode = loading.build_skeleton(run)
     with fake_mode:
-        optimizer = _foreach_like_cuda(build_optimizer(run.config, model, run.peak_lr))
+        optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
         tracker = _frozen_aware(MemTracker)()
         tracker.track_external(model, optimizer)
         with tracker:
@@ -85,10 +85,11 @@ def simulate(run: ResolvedRun) -> Simulation:
         return _result(tracker)
 
 
-def _foreach_like_cuda(optimizer):
-    """torch's AdamW runs foreach on CUDA (its default there); on CPU tensors it would loop per tensor."""
+def _as_on_cuda(optimizer):
+    """An AdamW that is not fused runs foreach on CUDA (torch's default there); on CPU tensors it
+    would loop per tensor. A fused one runs its one kernel on the fake CPU tensors too."""
     for group in optimizer.param_groups:
-        group["foreach"] = True
+        group["foreach"] = not group.get("fused")
     return optimizer
 
 

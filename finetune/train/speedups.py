@@ -1,16 +1,16 @@
 """Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
 loss, regional compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
-architecture Liger does not cover, a package not installed) says so in one line and the run goes on
-without it; numerically each is the plain path (tests/test_speedups.py, tests/test_chunked_loss.py on CPU).
+architecture Liger does not cover, a package not installed or not importing) says so in one line and the
+run goes on without it; numerically each is the plain path (tests/test_speedups.py,
+tests/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
+config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
-A switch is on by default only where a GPU run measured it faster: Liger (on CUDA, when installed:
-TRL SFTTrainer ran 1.20× faster with it on an H100, bench/RESULTS.md) and flex attention for packed
-rows on a GPU (no dense mask to build). The chunked loss is on by default for LoRA and QLoRA for
-the memory it saves (the full-vocabulary logits, likely the 2.2 GiB TRL held less than finetune in
-the 7B QLoRA run) and the time (1.15× the length-grouped Trainer on CPU; bench/RESULTS.md); Liger's
-fused loss replaces it where Liger runs. Compilation is off unless asked
-for until the GPU kit (bench/gpu/throughput.py) has measured it; its time is reported apart from
-training time.
+Defaults (README's table says which rest on a GPU run): Liger where it can run (TRL SFTTrainer ran
+1.20× faster with it on an H100, bench/RESULTS.md); the chunked loss for LoRA and QLoRA, for the
+logits it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
+its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
+attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
+train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
 """
 
 from __future__ import annotations
@@ -18,64 +18,40 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from finetune.config.names import STRATEGIES, Strategy, chunked_loss_blocked, chunked_loss_wanted
+from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
+from finetune.config.switches import Switches, liger_function, resolve_switches
 from finetune.models import chunked_loss
 
 
 @dataclass(frozen=True)
-class Speedups:
-    """What a run turns on; `notes` says why a requested switch is off."""
+class Speedups(Switches):
+    """What a run turns on: config.switches' loss and AdamW, and compilation and the attention kernel;
+    `notes` says why a switch asked for is off."""
 
-    liger: bool
-    compile: bool
-    attention: str  # "sdpa", "flex" or "flash"
-    notes: tuple[str, ...] = ()
+    compile: bool = False
+    attention: str = "sdpa"  # "sdpa", "flex" or "flash"
 
 
-def choose_speedups(config: TrainConfig, cuda: bool, model_type: str) -> Speedups:
-    """Resolve unset/auto switches for this device and model, and drop the ones that cannot apply."""
-    notes = []
-    liger = config.liger if config.liger is not None else cuda and liger_installed()
-    why_not = liger_unavailable(cuda, model_type) if liger else None
-    if why_not:
-        notes, liger = [f"--liger: {why_not}; running without"], False
+def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
+                    head_problem: str | None = None) -> Speedups:
+    """Resolve unset/auto switches for this device, model and strategy, and drop the ones that cannot
+    apply (`head_problem`: what the loaded LM head rules out, models.chunked_loss.head_problem)."""
+    switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
+                                method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
+                                model_type=model_type, head_problem=head_problem)
+    notes = list(switches.notes)
     compile_ = bool(config.compile)  # unmeasured on a GPU: off unless asked for
-    attention = config.attention
-    if attention == "auto":
-        attention = "flex" if cuda and config.packing else "sdpa"
+    attention = "sdpa" if config.attention == "auto" else config.attention  # flex unmeasured on a GPU
     if attention == "flash" and importlib.util.find_spec("flash_attn") is None:
         notes, attention = [*notes, "--attention flash: flash-attn is not installed; using sdpa"], "sdpa"
-    return Speedups(liger=liger, compile=compile_, attention=attention, notes=tuple(notes))
-
-
-def liger_unavailable(cuda: bool, model_type: str) -> str | None:
-    """Why Liger cannot run here, or None."""
-    if not cuda:
-        return "Liger's Triton kernels need a CUDA GPU"
-    if not liger_installed():
-        return "liger-kernel is not installed (pip install liger-kernel)"
-    if liger_function(model_type) is None:
-        return f"Liger does not support model type {model_type!r}"
-    return None
-
-
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def liger_function(model_type: str) -> Callable | None:
-    """Liger's `apply_liger_kernel_to_<arch>` for a transformers model type, if it has one."""
-    if not liger_installed():
-        return None
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    return MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=tuple(notes), compile=compile_,
+                    attention=attention)
 
 
 # transformers' names of the attention kernels
@@ -84,38 +60,23 @@ ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": 
 
 def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None],
                    strategy: Strategy = STRATEGIES["single"]) -> torch.nn.Module:
-    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in
-    place, and the chunked loss where names.uses_chunked_loss puts it, given whether Liger really runs."""
+    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in place."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    chosen = choose_speedups(config, cuda, base.config.model_type)
+    chosen = choose_speedups(config, cuda, base.config.model_type, strategy, chunked_loss.head_problem(base))
     for note in chosen.notes:
         say(note)
     if chosen.liger:  # RMSNorm, RoPE, SwiGLU modules of this instance; the CausalLM forward's fused loss
         liger_function(base.config.model_type)(model=base)
-    chunked = use_chunked_loss(base, config, chosen.liger, strategy, say)
+    if chosen.chunked_loss:
+        chunked_loss.install(base)
     if chosen.attention != "sdpa":
         base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
     if chosen.compile:
         os.environ.setdefault(INDUCTOR_CACHE_VARIABLE, str(inductor_cache()))
         compile_blocks(model)
-    say(f"speed switches: liger {'on' if chosen.liger else 'off'}, chunked loss {'on' if chunked else 'off'}, "
+    say(f"speed switches: liger {'on' if chosen.liger else 'off'}, chunked loss {'on' if chosen.chunked_loss else 'off'}, "
         f"compile {'on' if chosen.compile else 'off'}, attention {chosen.attention}")
     return model
-
-
-def use_chunked_loss(base: torch.nn.Module, config: TrainConfig, liger: bool, strategy: Strategy,
-                     say: Callable[[str], None]) -> bool:
-    """Install the chunked loss on `base` where it runs; say why not when it was asked for. Where a
-    requested Liger cannot run, the chunked loss stands in for its fused loss (the plan counted no logits)."""
-    why_not = (chunked_loss_blocked(liger, strategy, base.config.model_type, config.method, config.lora_targets)
-               or chunked_loss.unsupported(base))
-    if config.chunked_loss and why_not:
-        say(f"--chunked-loss: {why_not}; using the model's own loss")
-    asked = True if config.chunked_loss is None and config.liger else config.chunked_loss
-    if why_not or not chunked_loss_wanted(asked, config.method):
-        return False
-    chunked_loss.install(base)
-    return True
 
 
 # Inductor's compiled kernels: in ~/.cache (not /tmp, which reboots clear), so later runs of the same

@@ -1,0 +1,145 @@
+"""How the switches a run may leave unset resolve: Liger kernels, the chunked loss, fused AdamW.
+
+`resolve_switches` decides all three from the flags and the facts of the run (device, strategy,
+model type, method, LoRA targets and, once the model is loaded, its LM head). `finetune plan`,
+`--dry-run`, the fit check and the run itself call it alike, so a plan counts what the run turns on.
+
+Liger's fused linear cross-entropy and finetune's chunked loss both read the LM head's weight
+outside the head's own forward, so one gate (`head_read_blocked`) keeps both out of the runs where
+that reads the wrong thing. Torch-free like the rest of config/: only asking an installed
+liger-kernel which architectures it covers imports it (and torch with it), once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, Strategy
+
+# How a run holds its loss: plan/memory.LOSS_BYTES_PER_VOCAB counts each
+LOSSES = ("liger", "finetune-chunked", "transformers")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What a run turns on; `notes`: one line per switch asked for (or on by default) that cannot apply."""
+
+    loss: str  # one of LOSSES
+    fused_adamw: bool  # torch AdamW(fused=True): one kernel per step, no foreach temporaries
+    notes: tuple[str, ...] = ()
+
+    @property
+    def liger(self) -> bool:
+        return self.loss == "liger"
+
+    @property
+    def chunked_loss(self) -> bool:
+        return self.loss == "finetune-chunked"
+
+
+def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer: str, method: str, lora_targets: str,
+                     cuda: bool, strategy: Strategy, model_type: str | None, head_problem: str | None = None,
+                     assume_liger: bool = False) -> Switches:
+    """The run's loss and optimizer kernel. `liger` / `chunked_loss`: the flags (None: unset);
+    `head_problem`: what the loaded LM head rules out (models.chunked_loss.head_problem; None
+    before loading, as in a plan). `assume_liger`: `finetune plan`, planning for another machine,
+    takes an asked-for Liger that is not installed here to be installed there.
+
+    Liger, unset: on where it can run (a CUDA device, liger-kernel installed and importable, the
+    architecture covered), like TRL's `use_liger_kernel`. Where Liger is wanted but cannot run, one
+    note says why, and a `--liger` that asked for no logits gets the chunked loss instead. The
+    chunked loss, unset: on for LoRA and QLoRA (`chunked_loss_wanted`) where nothing blocks it."""
+    notes = []
+    blocked = head_read_blocked(strategy, method, lora_targets, head_problem)
+    liger_on = liger if liger is not None else cuda and liger_installed()
+    if liger_on:
+        why = (None if assume_liger and not liger_installed() else liger_problem(cuda, model_type)) or blocked
+        if why:
+            notes.append(f"running without Liger ({why})")
+            liger_on = False
+    asked = True if chunked_loss is None and liger and not liger_on else chunked_loss
+    why_not_chunked = "Liger runs" if liger_on else blocked or architecture_problem(model_type)
+    if chunked_loss and why_not_chunked:
+        instead = "Liger's fused loss" if liger_on else "the model's own loss"
+        notes.append(f"--chunked-loss: {why_not_chunked}; using {instead}")
+    chunked_on = why_not_chunked is None and chunked_loss_wanted(asked, method)
+    loss = "liger" if liger_on else "finetune-chunked" if chunked_on else "transformers"
+    return Switches(loss=loss, fused_adamw=fused_adamw(optimizer, cuda, strategy), notes=tuple(notes))
+
+
+def head_read_blocked(strategy: Strategy, method: str, lora_targets: str, head_problem: str | None = None) -> str | None:
+    """Why no loss may read the LM head's weight outside the head's own forward (Liger's fused
+    linear cross-entropy and finetune's chunked loss both do) in such a run, or None."""
+    if strategy.zero_stage == 3:  # outside the head's forward its weight is a 0-element placeholder (trl#5891)
+        return "ZeRO-3 gathers the LM head's weight only inside the head's own forward"
+    if method != "full" and "lm_head" in lora_targets.split(","):  # the adapter would never train
+        return "LoRA adapts the LM head, and a loss that reads its base weight would skip the adapter"
+    return head_problem
+
+
+def architecture_problem(model_type: str | None) -> str | None:
+    """Why the chunked loss does not cover this architecture (its head is not a bare linear layer
+    over the last hidden state: logit scaling, soft-capping, a bias, an auxiliary loss), or None."""
+    if model_type not in CHUNKED_LOSS_ARCHITECTURES:
+        return f"model type {model_type!r} is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}"
+    return None
+
+
+def chunked_loss_wanted(asked: bool | None, method: str) -> bool:
+    """When asked for, and by default for LoRA and QLoRA, whose head is frozen (full fine-tuning would
+    keep the head's fp32 gradient from the forward, which outweighs the logits of short micro-batches)."""
+    return asked if asked is not None else method != "full"
+
+
+def fused_adamw(optimizer: str, cuda: bool, strategy: Strategy) -> bool:
+    """torch's AdamW with fused=True: on a GPU, where the trainable parameters are on it when the
+    optimizer is built; FSDP2 builds it over parameters still on the host and steps foreach after
+    `prepare` moves them (torch's default on CUDA)."""
+    return optimizer == "adamw" and cuda and not strategy.fsdp
+
+
+def liger_problem(cuda: bool, model_type: str | None) -> str | None:
+    """Why Liger cannot run here for this architecture, or None."""
+    if not cuda:
+        return "Liger's Triton kernels need a CUDA GPU"
+    table, why = liger_table()
+    if why:
+        return why
+    if model_type not in table:
+        return f"Liger does not support model type {model_type!r}"
+    return None
+
+
+def liger_function(model_type: str) -> Callable:
+    """Liger's `apply_liger_kernel_to_<arch>` for a model type `liger_problem` passed."""
+    return liger_table()[0][model_type]
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+@functools.cache
+def liger_table() -> tuple[dict[str, Callable], str | None]:
+    """Liger's model type → apply function table, or ({}, why there is none): not installed, or
+    installed but failing to import (a liger-kernel built for another transformers), which costs a
+    run nothing but Liger."""
+    if not liger_installed():
+        return {}, "liger-kernel is not installed (pip install liger-kernel)"
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception as e:  # any failure of a third-party import: the run goes on without it
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {}, f"liger-kernel {_version('liger-kernel')} does not import: {type(e).__name__}: {detail}"
+    return dict(MODEL_TYPE_TO_APPLY_LIGER_FN), None
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "(unknown version)"
