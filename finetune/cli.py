@@ -31,8 +31,11 @@ SUBCOMMANDS = {
 ALLOCATOR_CONF = "expandable_segments:True"
 
 
-def use_expandable_segments(environ=os.environ) -> None:
-    """Set PYTORCH_CUDA_ALLOC_CONF unless the user set it (or torch ≥ 2.9's PYTORCH_ALLOC_CONF)."""
+def use_expandable_segments(environ=None) -> None:
+    """Set PYTORCH_CUDA_ALLOC_CONF unless the user set it (or torch ≥ 2.9's PYTORCH_ALLOC_CONF). The
+    environment is looked up at call time: a default bound at import would keep whatever
+    `os.environ` was then."""
+    environ = os.environ if environ is None else environ
     if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
         environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF
 
