@@ -19,14 +19,15 @@ def reset_accelerate() -> None:
 
 
 def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
-    """The catalog entry `name` shrunk by `catalog.shrink` (2 layers of width 32 unless asked otherwise;
+    """The catalog entry `name` shrunk by `families.shrink` (2 layers of width 32 unless asked otherwise;
     same class, same module names), seeded: rehearse shrinks real models the same way."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.models.catalog import get, shrink
+    from finetune.models.catalog import get
+    from finetune.models.families import shrink
 
-    config = shrink(get(name).to_hf_config_dict(), layers, hidden) | {"vocab_size": vocab_size}
+    config = shrink(get(name).to_hf_config_dict(), layers, hidden, overrides={"vocab_size": vocab_size})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from finetune.errors import UnknownModelError
+from finetune.models import families
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     head_dim: int | None = None  # None → hidden_size // num_heads
-    attention_bias: bool = False  # Qwen2 has biases on q, k, v projections
+    attention_bias: bool = False  # biases on q, k, v (Qwen2 always; Llama-like families when config.json says so)
+    o_proj_bias: bool = False  # a bias on o_proj too (config.json's attention_bias, outside Qwen2 and Mistral)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     source: str = ""
@@ -46,6 +48,35 @@ class ModelSpec:
     gguf_file: str | None = None
     gguf_package: str | None = None
     converted_from: str | None = None  # the Hub repo a GGUF's weights came from: the model card's base_model
+    # Mixture of experts (num_experts 0: a dense model); see models/families.py for each family's layout
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k: the experts each token's hidden state goes through
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # the shared experts together (Qwen2-MoE, DeepSeek): every token
+    dense_layers: int = 0  # decoder layers with a dense MLP (intermediate_size) instead of experts
+    router_aux_loss: bool = False  # config's output_router_logits: the load-balancing loss is added to the loss
+    # DeepSeek's multi-head latent attention (kv_lora_rank 0: ordinary attention)
+    q_lora_rank: int = 0  # 0: one q_proj
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    tower_params: int = 0  # parameters outside the language model: Gemma 3's vision tower and projector
+    quantized: str | None = None  # the published weights' quantization ("mxfp4": gpt-oss), loaded dequantized
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def family(self) -> families.Family:
+        """The family's entry; the Llama layout for shapes outside the table (calibration variants)."""
+        return families.family(self.model_type) or families.FAMILIES["llama"]
+
+    @property
+    def moe_layers(self) -> int:
+        """Decoder layers that hold experts."""
+        return self.num_layers - self.dense_layers if self.moe else 0
 
     @property
     def random_init(self) -> bool:
@@ -57,7 +88,8 @@ class ModelSpec:
         return self.head_dim or self.hidden_size // self.num_heads
 
     def to_hf_config_dict(self) -> dict:
-        """The config.json fields transformers needs to build this architecture."""
+        """The config.json fields transformers needs to build this architecture (Gemma 3: the
+        language model under text_config, beside the vision tower it ships with)."""
         config = {
             "model_type": self.model_type,
             "num_hidden_layers": self.num_layers,
@@ -68,14 +100,14 @@ class ModelSpec:
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "head_dim": self.resolved_head_dim,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "hidden_act": "silu",
         }
-        if self.model_type == "llama":
-            config["attention_bias"] = self.attention_bias
-        return config
+        if not self.family.mla:
+            config["head_dim"] = self.resolved_head_dim
+        config |= families.config_fields(asdict(self))
+        return families.nest(config, families.GEMMA3_VISION if self.tower_params else None)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -245,21 +277,3 @@ def read_local_config(path: Path, accepted: str) -> dict:
             f"--model {path}: {file.name} is not a model config.json (no \"model_type\"). Expected {accepted}."
         )
     return config
-
-
-def shrink(config: dict, layers: int, hidden: int, heads: int = 4) -> dict:
-    """A Hugging Face config dict of the same architecture, made tiny: `layers` decoder layers of width
-    `hidden`, `heads` query heads of hidden / heads each, an MLP twice as wide, and the same multi-head
-    or grouped-query ratio (at least one key/value head). Per-layer lists (Qwen2's `layer_types`) keep
-    their first layers; every other field (model type, biases, rope, vocabulary) stays.
-
-    Rehearsals and tests shrink real entries this way, so the same classes, FSDP wrap policies and
-    LoRA targets run on a CPU in seconds.
-    """
-    original_layers, original_heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or original_heads
-    shrunk = {key: value[:layers] if isinstance(value, list) and len(value) == original_layers else value
-              for key, value in config.items()}
-    return shrunk | {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-                     "num_attention_heads": heads, "head_dim": hidden // heads,
-                     "num_key_value_heads": max(1, heads * kv_heads // original_heads)}

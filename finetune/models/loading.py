@@ -25,6 +25,7 @@ from finetune.models import gguf_import
 from finetune.models import source as model_source
 from finetune.models import catalog
 from finetune.models import chunked_loss
+from finetune.models import families
 from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
 from finetune.config.resolve import ResolvedRun
@@ -109,7 +110,22 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
         kwargs["device_map"] = {"": device}
     model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation="sdpa",
                              trust_remote_code=run.config.trust_remote_code, **kwargs)
+    if run.strategy.zero_stage == 3:
+        mark_zero3_leaves(model)
     return prepare_for_training(model, run.config)
+
+
+def mark_zero3_leaves(model: torch.nn.Module) -> None:
+    """Make each sparse mixture-of-experts block one ZeRO-3 unit: its experts are gathered whole, so
+    every rank joins the same all-gathers whichever experts its tokens were routed to."""
+    fam = families.family(model.config.model_type)
+    if fam is None or fam.experts is None:
+        return
+    from deepspeed.utils import set_z3_leaf_modules
+
+    blocks = {type(m) for m in model.modules() if type(m).__name__ == fam.experts.block}
+    if blocks:
+        set_z3_leaf_modules(model, list(blocks))
 
 
 def model_kwargs(run: ResolvedRun) -> dict:
@@ -134,6 +150,11 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         keep_activations_after(model, config.gradient_checkpointing_layers)
+    fam = families.family(model.config.model_type)
+    if config.method == "full" and fam is not None:  # text fine-tuning: a vision tower stays as published
+        for name, param in model.named_parameters():
+            if set(name.split(".")) & set(fam.tower):
+                param.requires_grad_(False)
     if config.method in ("lora", "qlora"):
         model = _add_lora(model, config)
     # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
@@ -255,19 +276,45 @@ def nf4_config(compute_dtype: torch.dtype):
 
 
 def _add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules,
-        task_type="CAUSAL_LM",
-    )
     try:
-        return get_peft_model(model, lora)
+        return get_peft_model(model, lora_config(model, config))
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         raise FinetuneError(f"--lora-targets {config.lora_targets!r}: {e}") from e
+
+
+def lora_config(model: torch.nn.Module, config: TrainConfig):
+    """PEFT's LoraConfig for --lora-targets on this model (families.lora_targets: linear modules,
+    fused expert parameters, a router trained whole, never a vision tower), or as PEFT reads the
+    names for a family finetune does not know."""
+    from peft import LoraConfig
+
+    common = dict(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, task_type="CAUSAL_LM")
+    fam = families.family(model.config.model_type)
+    if fam is None:
+        return LoraConfig(target_modules=config.lora_target_modules, **common)
+    targets = families.lora_targets(config.lora_targets, fam, config.model, quantized=config.method == "qlora")
+    if targets.experts and config.lora_dropout:
+        raise FinetuneError(f"--lora-targets {config.lora_targets}: LoRA on fused expert parameters has no dropout "
+                            "(PEFT cannot drop out the input of one expert); use --lora-dropout 0.")
+    return LoraConfig(target_modules=list(targets.modules) or None,
+                      target_parameters=expert_parameter_names(model, targets) or None,
+                      modules_to_save=list(targets.whole) or None,
+                      exclude_modules=rf"(.*\.)?({'|'.join(targets.exclude)})(\..*)?" if targets.exclude else None, **common)
+
+
+def expert_parameter_names(model: torch.nn.Module, targets: families.LoraTargets) -> list[str]:
+    """PEFT's target_parameters for `targets`: the suffixes (experts.gate_up_proj) match plain
+    parameters, but a parameter bitsandbytes quantized in place (a parametrization) matches only
+    by its full name, one per layer."""
+    names = []
+    for target in targets.parameters:
+        module_suffix, _, param = target.rpartition(".")
+        quantized = [name for name, module in model.named_modules()
+                     if name.endswith(module_suffix) and param in getattr(module, "parametrizations", {})]
+        names += [f"{name}.{param}" for name in quantized] or [target]
+    return names
 
 
 def _from_pretrained(cls, source: str, **kwargs):

@@ -84,9 +84,10 @@ class ModelStates:
 
 
 def trainable_params(w: Workload) -> int:
+    """Full fine-tuning trains everything but a vision tower (text fine-tuning leaves it as published)."""
     if w.method == "full":
-        return count_params(w.model).total
-    return lora_params(w.model, w.lora_r, resolve_lora_targets(w.model, w.lora_targets))
+        return count_params(w.model).total - w.model.tower_params
+    return lora_params(w.model, w.lora_r, resolve_lora_targets(w.model, w.lora_targets, w.method))
 
 
 def trainable_bytes(w: Workload) -> int:
@@ -107,7 +108,7 @@ def model_states(w: Workload) -> ModelStates:
     weight = trainable_bytes(w)
     base_bytes = p.compute_bytes if w.deepspeed else p.weight_bytes
     if w.method == "full":
-        frozen, constants = 0.0, 0.0
+        frozen, constants = counts.tower * base_bytes, 0.0
     elif w.method == "lora":
         frozen, constants = counts.total * base_bytes, 0.0
     else:
@@ -180,7 +181,7 @@ def layer_activation_bytes(w: Workload) -> float:
     out = residual if w.method == "qlora" else e  # dtype of a projection's output
     attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
     full = w.method == "full"
-    targets = () if full else resolve_lora_targets(spec, w.lora_targets)
+    targets = () if full else resolve_lora_targets(spec, w.lora_targets, w.method).modules
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy

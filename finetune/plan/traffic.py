@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.memory import model_states, residual_bytes, trainable_params
-from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
+from finetune.plan.params import adapted, count_params, layer_linears, resolve_lora_targets
 from finetune.models.catalog import ModelSpec
 from finetune.plan.workload import Workload
 
@@ -111,7 +111,7 @@ def adapter_forward_bytes(w: Workload) -> float:
     and is cast back at the end."""
     if w.method == "full":
         return 0.0
-    targets = resolve_lora_targets(w.model, w.lora_targets)
+    targets = resolve_lora_targets(w.model, w.lora_targets, w.method)
     a, e = w.adapter_bytes, w.precision.compute_bytes
     if w.precision.autocast:
         per_in = e + (0 if w.method == "qlora" or a == e else 2 * (e + a))
@@ -119,8 +119,8 @@ def adapter_forward_bytes(w: Workload) -> float:
     else:
         cast = a + e if a != e else 0
         per_in, per_out = cast + a, 3 * a + (e + 2 * a) + cast  # out: B's output, the scale, the add, the cast back
-    return sum(per_in * linear.fan_in + per_out * linear.fan_out for linear in layer_linears(w.model)
-               if linear.name in targets)
+    return sum(per_in * linear.fan_in + per_out * linear.fan_out for linear in adapted(layer_linears(w.model), targets)
+               if linear.kind != "experts")  # LoRA on fused experts adds to the weight instead (plan/moe.py)
 
 
 def layer_kernels(spec: ModelSpec) -> int:
@@ -132,8 +132,8 @@ def kernel_launches(w: Workload) -> float:
     """Kernels one micro-batch launches in its decoder layers: forward, the recomputed forward, and
     the backward."""
     linears = len(layer_linears(w.model))
-    adapted = 0 if w.method == "full" else len(resolve_lora_targets(w.model, w.lora_targets))
-    forward = LAYER_KERNELS[kernels(w)] + linears + adapted * (ADAPTER_KERNELS + (w.method == "qlora"))
+    lora = 0 if w.method == "full" else len(adapted(layer_linears(w.model), resolve_lora_targets(w.model, w.lora_targets, w.method)))
+    forward = LAYER_KERNELS[kernels(w)] + linears + lora * (ADAPTER_KERNELS + (w.method == "qlora"))
     return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS) + dequantizations(w) * DEQUANT_KERNELS
 
 
@@ -141,7 +141,8 @@ def dequantizations(w: Workload) -> float:
     """4-bit linears dequantized per micro-batch: each in the forward, the backward and any recompute."""
     if w.method != "qlora":
         return 0.0
-    return w.model.num_layers * len(layer_linears(w.model)) * (2 + w.recompute_share)
+    quantized = [linear for linear in layer_linears(w.model) if linear.quantized]
+    return w.model.num_layers * len(quantized) * (2 + w.recompute_share)
 
 
 def dequantized_bytes(w: Workload) -> float:

@@ -148,7 +148,8 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            for layer in base.model.layers:
+            # the units Accelerate's transformer-based wrap makes: every module of a _no_split_modules class
+            for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
             # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
