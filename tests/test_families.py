@@ -119,7 +119,8 @@ def test_lora_targets_say_what_a_family_accepts():
 def test_table_decides_chunked_loss_and_gguf():
     from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES
 
-    assert set(CHUNKED_LOSS_ARCHITECTURES) == {"llama", "mistral", "qwen2"}
+    assert set(CHUNKED_LOSS_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                                               "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"}
     gguf = pytest.importorskip("finetune.export.gguf")
     assert gguf.ARCHITECTURES == {"llama": "llama", "mistral": "llama"}
     with pytest.raises(FinetuneError, match="'qwen3_moe'.*convert_hf_to_gguf.py writes it as 'qwen3moe'"):

@@ -184,6 +184,75 @@ _CATALOG: tuple[ModelSpec, ...] = (
         source="Qwen/Qwen2.5-7B/config.json",
     ),
     ModelSpec(
+        name="llama-3.3-70b", hf_id="meta-llama/Llama-3.3-70B-Instruct", model_type="llama", num_layers=80,
+        hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=28672, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0,
+        source="meta-llama/Llama-3.3-70B-Instruct/config.json",
+    ),
+    ModelSpec(
+        name="qwen3-8b", hf_id="Qwen/Qwen3-8B", model_type="qwen3", num_layers=36, hidden_size=4096, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        source="Qwen/Qwen3-8B/config.json",
+    ),
+    ModelSpec(
+        name="gemma-3-12b", hf_id="google/gemma-3-12b-pt", model_type="gemma3", num_layers=48, hidden_size=3840,
+        num_heads=16, num_kv_heads=8, head_dim=256, intermediate_size=15360, vocab_size=262208, tie_word_embeddings=True,
+        max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, norms_per_layer=4,
+        tower_params=families.tower_params({"vision_config": families.GEMMA3_VISION}, 3840),
+        source="google/gemma-3-12b-pt/config.json (text_config; vision_config: SigLIP So400m, 896 px)",
+    ),
+    # mixtures of experts: every expert resident, experts_per_token of them per token
+    ModelSpec(
+        name="mixtral-8x7b", hf_id="mistralai/Mixtral-8x7B-v0.1", model_type="mixtral", num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, num_experts=8, experts_per_token=2,
+        expert_intermediate_size=14336,
+        source="mistralai/Mixtral-8x7B-v0.1/config.json (MixtralConfig's defaults are the same model)",
+    ),
+    ModelSpec(
+        name="qwen3-30b-a3b", hf_id="Qwen/Qwen3-30B-A3B", model_type="qwen3_moe", num_layers=48, hidden_size=2048,
+        num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=768,
+        source="Qwen/Qwen3-30B-A3B/config.json (Qwen3MoeConfig's defaults are the same widths, 24 layers)",
+    ),
+    ModelSpec(
+        name="qwen3-235b-a22b", hf_id="Qwen/Qwen3-235B-A22B", model_type="qwen3_moe", num_layers=94, hidden_size=4096,
+        num_heads=64, num_kv_heads=4, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=1536,
+        source="Qwen/Qwen3-235B-A22B/config.json",
+    ),
+    ModelSpec(
+        name="gpt-oss-20b", hf_id="openai/gpt-oss-20b", model_type="gpt_oss", num_layers=24, hidden_size=2880,
+        num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=131072, attention_bias=True, o_proj_bias=True, rope_theta=150000.0, num_experts=32,
+        experts_per_token=4, expert_intermediate_size=2880, quantized="mxfp4",
+        source="openai/gpt-oss-20b/config.json (experts published in MXFP4; GptOssConfig's defaults are gpt-oss-120b)",
+    ),
+    ModelSpec(
+        name="gpt-oss-120b", hf_id="openai/gpt-oss-120b", model_type="gpt_oss", num_layers=36, hidden_size=2880,
+        num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=131072, attention_bias=True, o_proj_bias=True, rope_theta=150000.0, num_experts=128,
+        experts_per_token=4, expert_intermediate_size=2880, quantized="mxfp4",
+        source="openai/gpt-oss-120b/config.json (experts published in MXFP4)",
+    ),
+    ModelSpec(
+        name="olmoe-1b-7b", hf_id="allenai/OLMoE-1B-7B-0924", model_type="olmoe", num_layers=16, hidden_size=2048,
+        num_heads=16, num_kv_heads=16, intermediate_size=1024, vocab_size=50304, tie_word_embeddings=False,
+        max_position_embeddings=4096, num_experts=64, experts_per_token=8, expert_intermediate_size=1024,
+        source="allenai/OLMoE-1B-7B-0924/config.json",
+    ),
+    ModelSpec(
+        name="deepseek-v2-lite", hf_id="deepseek-ai/DeepSeek-V2-Lite", model_type="deepseek_v2", num_layers=27,
+        hidden_size=2048, num_heads=16, num_kv_heads=16, intermediate_size=10944, vocab_size=102400,
+        tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6, num_experts=64,
+        experts_per_token=6, expert_intermediate_size=1408, shared_expert_intermediate_size=2 * 1408, dense_layers=1,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        source="deepseek-ai/DeepSeek-V2-Lite/config.json (2 shared experts, first layer dense, latent attention)",
+    ),
+    ModelSpec(
         name="qwen2.5-72b", hf_id="Qwen/Qwen2.5-72B", model_type="qwen2", num_layers=80,
         hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=29568, vocab_size=152064,
         tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
@@ -199,6 +268,9 @@ ALIASES: dict[str, str] = {
     "llama-70b": "llama-2-70b",
     "mistral-7b-v0.1": "mistral-7b",
     "smollm2-135m-instruct": "smollm2-135m",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "gemma-3-12b-pt": "gemma-3-12b",
+    "olmoe-1b-7b-0924": "olmoe-1b-7b",
 }
 
 

@@ -54,6 +54,7 @@ class Family:
     qk_norm: str | None = None  # RMSNorm on queries and keys: per "head" (head_dim) or over the "width" (all heads)
     mla: bool = False  # DeepSeek's multi-head latent attention (low-rank q and kv projections)
     sinks: bool = False  # gpt-oss: one learned attention-sink logit per head per layer
+    sdpa: bool = True  # transformers runs it with torch's SDPA (gpt-oss's sinks need eager attention: s² scores kept)
     # biases of the attention projections: "config" (q, k, v and o follow config.json's attention_bias,
     # `bias_default` when it has none), "qkv" (always on q, k, v: Qwen2), "none" (Mistral ignores the key)
     attention_bias: str = "config"
@@ -86,7 +87,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaDecoderLayer", chunked_loss=True, gguf_writer=True, llama_cpp="llama"),
     Family("mistral", "MistralDecoderLayer", attention_bias="none", chunked_loss=True, gguf_writer=True, llama_cpp="llama"),
     Family("qwen2", "Qwen2DecoderLayer", attention_bias="qkv", chunked_loss=True, llama_cpp="qwen2"),
-    Family("qwen3", "Qwen3DecoderLayer", qk_norm="head", llama_cpp="qwen3"),
+    Family("qwen3", "Qwen3DecoderLayer", qk_norm="head", chunked_loss=True, llama_cpp="qwen3"),
     Family("gemma", "GemmaDecoderLayer", tied=True, llama_cpp="gemma"),
     Family("gemma2", "Gemma2DecoderLayer", norms_per_layer=4, tied=True, llama_cpp="gemma2"),
     Family("gemma3_text", "Gemma3DecoderLayer", norms_per_layer=4, qk_norm="head", tied=True, llama_cpp="gemma3"),
@@ -96,21 +97,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo", "OlmoDecoderLayer", norm_weights=False, llama_cpp="olmo"),
     Family("olmo2", "Olmo2DecoderLayer", qk_norm="width", llama_cpp="olmo2"),
     Family("granite", "GraniteDecoderLayer", llama_cpp="granite"),
-    Family("mixtral", "MixtralDecoderLayer", mlp=(), attention_bias="none", llama_cpp="llama",
+    Family("mixtral", "MixtralDecoderLayer", mlp=(), attention_bias="none", chunked_loss=True, llama_cpp="llama",
            experts=Experts("num_local_experts", "intermediate_size", "MixtralSparseMoeBlock")),
-    Family("qwen2_moe", "Qwen2MoeDecoderLayer", attention_bias="qkv", llama_cpp="qwen2moe",
+    Family("qwen2_moe", "Qwen2MoeDecoderLayer", attention_bias="qkv", chunked_loss=True, llama_cpp="qwen2moe",
            experts=Experts("num_experts", "moe_intermediate_size", "Qwen2MoeSparseMoeBlock",
                            shared_width="shared_expert_intermediate_size", shared_gate=True)),
-    Family("qwen3_moe", "Qwen3MoeDecoderLayer", qk_norm="head", peft_renames=RENAMED, llama_cpp="qwen3moe",
+    Family("qwen3_moe", "Qwen3MoeDecoderLayer", qk_norm="head", peft_renames=RENAMED, chunked_loss=True, llama_cpp="qwen3moe",
            experts=Experts("num_experts", "moe_intermediate_size", "Qwen3MoeSparseMoeBlock")),
-    Family("olmoe", "OlmoeDecoderLayer", mlp=(), qk_norm="width", peft_renames=RENAMED, llama_cpp="olmoe",
+    Family("olmoe", "OlmoeDecoderLayer", mlp=(), qk_norm="width", peft_renames=RENAMED, chunked_loss=True, llama_cpp="olmoe",
            experts=Experts("num_experts", "intermediate_size", "OlmoeSparseMoeBlock")),
-    Family("gpt_oss", "GptOssDecoderLayer", mlp=(), sinks=True, bias_default=True, llama_cpp="gpt-oss",
+    Family("gpt_oss", "GptOssDecoderLayer", mlp=(), sinks=True, sdpa=False, bias_default=True, chunked_loss=True, llama_cpp="gpt-oss",
            experts=Experts("num_local_experts", "intermediate_size", "GptOssMLP", router="router", bias=True)),
-    Family("deepseek_v2", "DeepseekV2DecoderLayer", attention=MLA, mla=True, peft_renames=RENAMED, llama_cpp="deepseek2",
+    Family("deepseek_v2", "DeepseekV2DecoderLayer", attention=MLA, mla=True, peft_renames=RENAMED, chunked_loss=True, llama_cpp="deepseek2",
            experts=Experts("n_routed_experts", "moe_intermediate_size", "DeepseekV2Moe", shared_count="n_shared_experts",
                            aux_loss=False)),
-    Family("deepseek_v3", "DeepseekV3DecoderLayer", attention=MLA, mla=True, peft_renames=RENAMED, llama_cpp="deepseek2",
+    Family("deepseek_v3", "DeepseekV3DecoderLayer", attention=MLA, mla=True, peft_renames=RENAMED, chunked_loss=True, llama_cpp="deepseek2",
            experts=Experts("n_routed_experts", "moe_intermediate_size", "DeepseekV3MoE", shared_count="n_shared_experts",
                            aux_loss=False)),
 )}
@@ -130,6 +131,12 @@ def get(model_type: str, name: str) -> Family:
 
 def chunked_loss_types() -> tuple[str, ...]:
     return tuple(t for t, f in FAMILIES.items() if f.chunked_loss)
+
+
+def attention_implementation(model_type: str) -> str:
+    """transformers' attention kernel finetune loads a model with: SDPA, or eager where the family has no SDPA path."""
+    found = family(model_type)
+    return "eager" if found is not None and not found.sdpa else "sdpa"
 
 
 def layer_of(model_type: str) -> str | None:
@@ -261,7 +268,8 @@ def shrink(config: dict, layers: int, hidden: int, heads: int = 4, overrides: di
     `hidden`, `heads` query heads of hidden / heads each, an MLP twice as wide, and the same multi-head
     or grouped-query ratio (at least one key/value head). Per-layer lists (`layer_types`) keep their
     first layers; every other field (model type, biases, rope, vocabulary) stays. Experts keep their
-    number (at most 8) and top-k and get an intermediate size of hidden / 2; latent attention ranks
+    number up to 8, route each token to at most a quarter of them, and get an intermediate size of
+    hidden / 2; latent attention ranks
     shrink with the width; a vision tower becomes one layer of width 32. `overrides` (a vocabulary,
     token ids) are set on the language model's config.
 
@@ -286,7 +294,8 @@ def shrink(config: dict, layers: int, hidden: int, heads: int = 4, overrides: di
         experts = fam.experts
         count_key = next(key for key in (experts.count, *EXPERT_COUNT_KEYS) if config.get(key))
         count = min(8, config[count_key])
-        shrunk |= {count_key: count, experts.width: hidden // 2, "num_experts_per_tok": min(config["num_experts_per_tok"], count)}
+        top_k = min(next(config[key] for key in TOP_K_KEYS if config.get(key)), max(1, count // 4))  # routing still chooses
+        shrunk |= {count_key: count, experts.width: hidden // 2, "num_experts_per_tok": top_k}
         if experts.shared_width:
             shrunk[experts.shared_width] = hidden
         shrunk["mlp_only_layers"] = [i for i in config.get("mlp_only_layers") or () if i < layers]

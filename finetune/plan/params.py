@@ -221,3 +221,33 @@ def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
                 for n, linears in layer_kinds(spec))
     head = r * (spec.hidden_size + spec.vocab_size) if LM_HEAD in targets.modules else 0
     return total + whole + head
+
+
+def params_by_kind(spec: ModelSpec, method: str, r: int, targets: LoraTargets | None) -> dict[str, tuple[int, int]]:
+    """kind (families.KINDS) → (trainable, total) parameters of the model a run builds, as
+    models/inventory.by_kind counts it: adapters count with the module they adapt, a router trained
+    whole adds its trainable copy, a vision tower never trains."""
+    counts = {kind: [0, 0] for kind in families.KINDS}
+
+    def add(kind: str, params: int, trains: bool, adapters: int = 0) -> None:
+        counts[kind][0] += (params if trains else 0) + adapters
+        counts[kind][1] += params + adapters
+
+    full, h = method == "full", spec.hidden_size
+    add("embeddings", spec.vocab_size * h, full)
+    head_adapter = r * (h + spec.vocab_size) if targets is not None and LM_HEAD in targets.modules else 0
+    if not spec.tie_word_embeddings or head_adapter:
+        add("head", 0 if spec.tie_word_embeddings else spec.vocab_size * h, full, head_adapter)
+    layer_norms, final_norm = norm_params(spec)
+    sinks = spec.num_heads if spec.family.sinks else 0
+    add("norms", final_norm, full)
+    for n, linears in layer_kinds(spec):
+        add("norms", n * (layer_norms - sinks), full)
+        add("attention", n * sinks, full)
+        for linear in linears:
+            adapter = r * linear.copies * (linear.fan_in + linear.fan_out) if targets and targets.adapts(linear.name) else 0
+            add(linear.kind, n * linear.params, full, n * adapter)
+            if targets is not None and linear.name in targets.whole:
+                add(linear.kind, n * linear.params, True)
+    add("other", spec.tower_params, False)
+    return {kind: (trainable, total) for kind, (trainable, total) in counts.items() if total}

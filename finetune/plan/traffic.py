@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.plan import moe
 from finetune.plan.memory import model_states, residual_bytes, trainable_params
 from finetune.plan.params import adapted, count_params, layer_linears, resolve_lora_targets
 from finetune.models.catalog import ModelSpec
@@ -87,7 +88,7 @@ def kernels(w: Workload) -> str:
 def layer_forward_bytes(w: Workload) -> float:
     """Bytes per token one decoder layer's elementwise kernels move in the forward."""
     spec, e, r = w.model, w.precision.compute_bytes, residual_bytes(w)
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, moe.activated_width(spec) if spec.moe else spec.intermediate_size
     q, kv = spec.num_heads * spec.resolved_head_dim, spec.num_kv_heads * spec.resolved_head_dim
     k = kernels(w)
     scale = r / 2  # the counts above are for a 16-bit residual stream; fp32 doubles them
@@ -99,6 +100,8 @@ def layer_forward_bytes(w: Workload) -> float:
         moved += sum(linear.fan_in for linear in layer_linears(spec)) * (4 + e)
     if w.attention == "eager":  # every query's row of scores, every head
         moved += spec.num_heads * w.seq_len * EAGER_SCORE_BYTES
+    if spec.moe:  # tokens gathered to their experts and back, in the layers that hold experts
+        moved += moe.routing_bytes(w) * spec.moe_layers / spec.num_layers
     return moved + adapter_forward_bytes(w)
 
 
@@ -160,6 +163,9 @@ def traffic(w: Workload) -> Traffic:
     per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)]
     counts = count_params(spec)
     per_micro_batch = dequantized_bytes(w)
+    # LoRA on fused experts writes W + ΔW and the grouped matmul reads it, per pass, in every MoE layer
+    targets = None if w.method == "full" else resolve_lora_targets(spec, w.lora_targets, w.method)
+    per_micro_batch += 2 * moe.lora_weight_bytes(w, targets) * spec.moe_layers * (2 + w.recompute_share)
     if w.precision.mixed and w.method == "full" and not w.strategy.computes_on_copies:
         per_micro_batch += counts.matmul * AUTOCAST_WEIGHT_BYTES * (1 + w.recompute_share)
     trainable = trainable_params(w)
