@@ -103,3 +103,42 @@ def test_tiny_configs_of_each_family_train(shape, method, targets, tmp_path):
     assert changed == set(before)  # every trainable parameter moved: adapters on experts included
     with torch.no_grad():
         assert session.model(**batch).loss.item() < before_loss
+
+
+def test_the_load_balancing_loss_is_averaged_over_micro_batches_and_logged_apart(tmp_path):
+    """With output_router_logits the router's loss joins the token loss as the model adds it, as a
+    mean over the accumulation window (not summed like token losses), and metrics get it apart."""
+    from finetune.train import loop
+    from finetune.train.run import router_aux_loss_coef
+
+    source = saved_tiny(tmp_path / "m", "mixtral-8x7b", output_router_logits=True, router_aux_loss_coef=0.5)
+    session = build_word_run(tmp_path / "run", model=source, micro_batch_size=4, global_batch_size=8)
+    model, coef = session.model, router_aux_loss_coef(session.model)
+    assert coef == 0.5 and session.accelerator.gradient_accumulation_steps == 2
+    session.train_loader.set_epoch(0)
+    window = [batch for _, batch in zip(range(2), session.train_loader)]  # the loop's first window
+    targets = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+    outputs = [model(**batch, num_items_in_batch=targets) for batch in window]
+    tokens = sum(out.loss - coef * out.aux_loss for out in outputs)
+    aux = sum(out.aux_loss for out in outputs) / len(outputs)
+    (tokens + coef * aux).backward()  # what one update should follow
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    class Record:
+        def record_step(self, **record):
+            self.record = record
+
+    gradients, recorded, step = {}, Record(), session.optimizer.step
+    def capture(*args, **kwargs):  # the update's gradients, as the optimizer sees them
+        gradients.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    session.optimizer.step = capture
+    loop.train(session.accelerator, model, session.optimizer, session.scheduler, session.train_loader,
+               progress=session.progress, max_steps=1, max_grad_norm=0, metrics=recorded, router_aux_loss_coef=coef)
+    assert gradients.keys() == expected.keys()
+    for name, gradient in gradients.items():
+        assert torch.allclose(gradient, expected[name], rtol=1e-4, atol=1e-7), name
+    assert recorded.record["aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    assert recorded.record["loss"] == pytest.approx(tokens.item(), rel=1e-5)  # the token loss alone

@@ -121,6 +121,13 @@ _CATALOG: tuple[ModelSpec, ...] = (
         source="finetune's own CPU demo model; vocab matches finetune/data/builtin/tokenizer.json",
     ),
     ModelSpec(
+        name="tiny-moe", hf_id=None, model_type="qwen3_moe", num_layers=4, hidden_size=128, num_heads=4,
+        num_kv_heads=2, head_dim=32, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
+        max_position_embeddings=512, num_experts=8, experts_per_token=2, expert_intermediate_size=64,
+        default_lr=1e-3, default_epochs=4,
+        source="finetune's own CPU demo of a mixture of experts (Qwen3-MoE layout); vocab matches the builtin tokenizer",
+    ),
+    ModelSpec(
         name="smollm2-135m", hf_id=None, model_type="llama", num_layers=30, hidden_size=576, num_heads=9,
         num_kv_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
         max_position_embeddings=8192, head_dim=64, rope_theta=100000.0,

@@ -22,7 +22,7 @@ from types import MethodType
 import torch
 from torch.nn.utils import parametrize
 from bitsandbytes.functional import quantize_4bit
-from bitsandbytes.nn.parametrize import replace_parameter_4bit_prequantized
+from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 from transformers import BitsAndBytesConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.integrations.bitsandbytes import Bnb4bitQuantize
@@ -95,14 +95,35 @@ class Nf4ExpertsQuantizer(Bnb4BitHfQuantizer):
 
 def dequantize_on_access(model: torch.nn.Module) -> None:
     """Give every packed expert parameter bitsandbytes' dequantizing parametrization: reading
-    `experts.gate_up_proj` then returns the 16-bit weight, built from the packed one per forward."""
+    `experts.gate_up_proj` then returns the 16-bit weight, built from the packed one, once per forward.
+
+    Registered here rather than with bitsandbytes' `replace_parameter_4bit_prequantized`, whose
+    state-dict hook renames the packed parameter to the dequantized one's name for from_pretrained:
+    torch's distributed checkpoint (FSDP2) then resolves that name and dequantizes a shard. A
+    training checkpoint keeps the packed parameter as it is; a resume quantizes the same base again."""
     for module in list(model.modules()):
-        for name in EXPERT_PARAMETERS:
-            param = module._parameters.get(name)
-            if param is not None and hasattr(param, "quant_state"):
-                state = param.quant_state
-                replace_parameter_4bit_prequantized(module, name, state.as_dict(packed=True), param.device)
-                module.parametrizations[name].original.quant_state = state
+        experts = [name for name in EXPERT_PARAMETERS if hasattr(module._parameters.get(name), "quant_state")]
+        for name in experts:
+            parametrize.register_parametrization(module, name, Bnb4bitParametrization(module._parameters[name].quant_state),
+                                                 unsafe=True)
+        if experts:
+            dequantize_once_per_forward(module)
+
+
+def dequantize_once_per_forward(module: torch.nn.Module) -> None:
+    """Run the module's forward inside torch's `parametrize.cached()`, so a weight read twice is
+    dequantized once; closed even when a checkpointed recompute stops the forward early."""
+    open_contexts = []
+
+    def enter(module, args) -> None:
+        open_contexts.append(parametrize.cached())
+        open_contexts[-1].__enter__()
+
+    def leave(module, args, output) -> None:
+        open_contexts.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def mark_for_skeleton(model: torch.nn.Module, config: BitsAndBytesConfig) -> None:
@@ -142,9 +163,11 @@ def fit_lora_to_4bit_experts(model: torch.nn.Module) -> None:
         del proxies[last]
 
     def parameter_like(wrapper) -> torch.Tensor:
-        """What the wrapper reads of its parameter after setup (dtype, device, requires_grad), uncached."""
-        packed = wrapper.get_base_layer().parametrizations[wrapper.parameter_name].original
-        return torch.empty(0, dtype=packed.quant_state.dtype, device=packed.device)
+        """What the wrapper reads of its parameter after setup (dtype, device, requires_grad), uncached;
+        from the dequantizing parametrization, which keeps its QuantState whatever FSDP2 makes of the
+        packed parameter."""
+        chain = wrapper.get_base_layer().parametrizations[wrapper.parameter_name]
+        return torch.empty(0, dtype=chain[0].quant_state.dtype, device=chain.original.device)
 
     def evict_stale_weights(experts, args) -> None:
         for name in experts.parametrizations:
@@ -162,5 +185,4 @@ def fit_lora_to_4bit_experts(model: torch.nn.Module) -> None:
 
 def wrapper_over_4bit(wrapper) -> bool:
     parametrizations = getattr(wrapper.get_base_layer(), "parametrizations", {})
-    return wrapper.parameter_name in parametrizations and hasattr(parametrizations[wrapper.parameter_name].original,
-                                                                  "quant_state")
+    return wrapper.parameter_name in parametrizations and hasattr(parametrizations[wrapper.parameter_name][0], "quant_state")

@@ -185,7 +185,8 @@ def fit(session: Session) -> dict:
     try:
         loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
                    max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
-                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every)
+                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
+                   router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
     finally:
         s.checkpointer.close()  # the preemption signals go back to their handlers
     if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
@@ -213,6 +214,13 @@ def fit(session: Session) -> dict:
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
         s.accelerator.print(format_summary(summary))
     return summary
+
+
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The weight a mixture of experts' forward gives its load-balancing loss: its config's
+    router_aux_loss_coef when output_router_logits is set, else 0 (no such loss is added)."""
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    return float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
 
 
 def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) -> int:
