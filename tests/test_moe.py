@@ -118,3 +118,75 @@ def test_dry_run_prints_what_trains_by_kind_and_warns_when_no_expert_does(tmp_pa
                      "--gpu", "H100"]) == 0
     out = capsys.readouterr().out
     assert "no expert" not in out and "(differs)" not in out
+
+
+# config.json as the Hub publishes each model (the fields the planner reads, with their published names):
+# Qwen3-MoE says num_experts, gpt-oss experts_per_token and MXFP4, Gemma 3 nests its language model
+PUBLISHED = {
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+                      "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "mixtral-8x7b": {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 32768},
+    "gpt-oss-20b": {"model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
+                    "experts_per_token": 4, "vocab_size": 201088, "tie_word_embeddings": False, "attention_bias": True,
+                    "max_position_embeddings": 131072, "quantization_config": {"quant_method": "mxfp4"}},
+    "gemma-3-12b": {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "num_hidden_layers": 48, "hidden_size": 3840, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 15360, "vocab_size": 262208},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                          "vision_use_head": False}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_json_plans_as_its_catalog_entry(name, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED[name]))
+    from finetune.models.source import resolve_model
+
+    spec, entry = resolve_model(str(path)), catalog.get(name)
+    assert count_params(spec) == count_params(entry) and spec.quantized == entry.quantized
+    assert cli_main(["plan", "--model", str(path), "--gpus", "8xH100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] == count_params(entry).total
+
+
+def test_mxfp4_weights_load_dequantized_and_refuse_qlora(tmp_path):
+    from finetune.config.options import TrainConfig
+    from finetune.config.resolve import Device, Launch, resolve_run
+    from finetune.errors import FinetuneError
+    from finetune.models.loading import model_kwargs
+
+    lora = resolve_run(TrainConfig(model="gpt-oss-20b", method="lora"), Launch(), Device())
+    quantization = model_kwargs(lora)["quantization_config"]
+    assert (quantization.quant_method, quantization.dequantize) == ("mxfp4", True)
+    qlora = resolve_run(TrainConfig(model="gpt-oss-20b", method="qlora"), Launch(), Device())
+    with pytest.raises(FinetuneError, match="MXFP4.*--method lora"):
+        model_kwargs(qlora)
+
+
+def test_zero3_treats_each_sparse_block_as_a_leaf():
+    from helpers import tiny_model
+
+    from finetune.models.loading import mark_zero3_leaves
+
+    model = tiny_model("qwen3-30b-a3b")
+    mark_zero3_leaves(model)
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+    assert blocks and all(getattr(block, "_z3_leaf", False) for block in blocks)
+    assert not any(getattr(m, "_z3_leaf", False) for m in model.modules() if m not in blocks)
+
+
+def test_simulation_refuses_fp32_experts_it_cannot_run():
+    from finetune.train.simulate import cannot_simulate
+
+    w = Workload(model=catalog.get("mixtral-8x7b"), gpu=gpus.get("H100"), gpus_per_node=1, method="lora",
+                 strategy="single", offload="none", precision="bf16-mixed", optimizer="adamw", micro_batch_size=1,
+                 seq_len=512, gradient_checkpointing=False)
+    assert "fp32" in cannot_simulate(w)
+    assert cannot_simulate(replace(w, precision="bf16-true")) is None

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
+from finetune.plan import gpus as gpu_catalog
 from finetune.plan.memory import GIB, estimate
-from finetune.plan.workload import Workload
+from finetune.plan.moe import expert_bytes
+from finetune.plan.workload import Workload, from_run
 
 if TYPE_CHECKING:
     from finetune.config.names import Strategy
@@ -36,15 +38,17 @@ CATEGORIES = {
 
 
 # The plans --simulate runs; the output names it whenever the plan asked about is not one of them.
-CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without offload"
+CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without offload (mixtures of experts in 16 bits)"
 
 
 def cannot_simulate(w: Workload) -> str | None:
     """Why the plan `w` is outside CHECKS, or None when --simulate can run it."""
-    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer)
+    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer, w.model.moe and expert_bytes(w) == 4)
 
 
-def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str) -> str | None:
+def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str, fp32_experts: bool = False) -> str | None:
+    if fp32_experts:  # -mixed and fp32 runs: the grouped matmuls take the experts' fp32 weights
+        return "a mixture of experts computing in fp32 (torch's fake grouped matmul takes bf16 only)"
     if method == "qlora":
         return "QLoRA (bitsandbytes' 4-bit kernels do not run on fake tensors)"
     if strategy.ddp or strategy.deepspeed:
@@ -65,7 +69,7 @@ class Simulation:
 def simulate(run: ResolvedRun) -> Simulation:
     """Peak tracked memory of one GPU over two accumulation micro-steps of `run`. Raises
     FinetuneError for a run outside CHECKS."""
-    reason = _outside_checks(run.config.method, run.strategy, run.offload, run.config.optimizer)
+    reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
     if reason is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     if run.strategy.fsdp:
