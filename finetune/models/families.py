@@ -116,6 +116,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                            aux_loss=False)),
 )}
 
+
 def family(model_type: str) -> Family | None:
     return FAMILIES.get(model_type)
 
@@ -137,12 +138,6 @@ def attention_implementation(model_type: str) -> str:
     """transformers' attention kernel finetune loads a model with: SDPA, or eager where the family has no SDPA path."""
     found = family(model_type)
     return "eager" if found is not None and not found.sdpa else "sdpa"
-
-
-def layer_of(model_type: str) -> str | None:
-    """The decoder layer class of `model_type` (None for families finetune does not know)."""
-    found = family(model_type)
-    return found.decoder_layer if found else None
 
 
 # ---------------------------------------------------------------- config.json ↔ the planner's numbers
