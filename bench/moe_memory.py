@@ -92,7 +92,7 @@ def simulation_table() -> str:
     from finetune.train.simulate import simulate
 
     h100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
-    rows = [f"{'shape':<16} {'ranks':>5}  {"flags":<72} {'simulated':>9} {'planned':>8} {'ratio':>6}"]
+    rows = [f"{'shape':<16} {'ranks':>5}  {'flags':<72} {'simulated':>9} {'planned':>8} {'ratio':>6}"]
     for name, layers, flags, ranks in SIMULATED:
         folder = Path(tempfile.mkdtemp())
         (folder / "config.json").write_text(json.dumps(replace(catalog.get(name), num_layers=layers).to_hf_config_dict()))
