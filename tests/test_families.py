@@ -111,9 +111,16 @@ def test_lora_targets_say_what_a_family_accepts():
         families.lora_targets("gate_proj", mixtral, "m")
     with pytest.raises(FinetuneError, match="experts names nothing"):
         families.lora_targets("experts", families.FAMILIES["llama"], "m")
-    warning = families.untrained_experts_warning("all-linear", mixtral, families.lora_targets("all-linear", mixtral, "m"))
+    [warning] = families.lora_warnings("all-linear", mixtral, families.lora_targets("all-linear", mixtral, "m"))
     assert "no expert" in warning and "--lora-targets all-linear+experts" in warning
-    assert families.untrained_experts_warning("all-linear+experts", mixtral, targets) is None
+    assert families.lora_warnings("all-linear+experts", mixtral, targets) == []
+    deepseek = families.FAMILIES["deepseek_v2"]  # dense first layers and shared experts: gate_proj etc.
+    lora = families.lora_targets("all-linear+experts", deepseek, "m")
+    assert "gate_proj.weight" in lora.parameters and "gate_proj" not in lora.modules  # PEFT would rename the module
+    qlora = families.lora_targets("all-linear+experts", deepseek, "m", quantized=True)
+    assert qlora.left_out == ("gate_proj", "up_proj", "down_proj") and "gate_proj.weight" not in qlora.parameters
+    [warning] = families.lora_warnings("all-linear+experts", deepseek, qlora)
+    assert "gate_proj, up_proj, down_proj of the dense layers and shared experts get no adapter under QLoRA" in warning
 
 
 def test_table_decides_chunked_loss_and_gguf():

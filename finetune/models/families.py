@@ -410,10 +410,16 @@ def lora_targets(text: str, fam: Family, name: str, quantized: bool = False) -> 
                        exclude=fam.tower, left_out=tuple(renamed) if quantized else ())
 
 
-def untrained_experts_warning(text: str, fam: Family, targets: LoraTargets) -> str | None:
-    """The one line for a LoRA run of a mixture-of-experts model whose adapters reach no expert:
-    `all-linear` means attention (and dense MLPs) only, since experts are not linear layers."""
-    if fam.experts is None or targets.experts:
-        return None
-    return (f"--lora-targets {text}: no expert of this mixture-of-experts model trains (its experts are fused 3-D "
-            f"parameters, not linear layers); --lora-targets {ALL_LINEAR}+{EXPERTS} adapts them too.")
+def lora_warnings(text: str, fam: Family, targets: LoraTargets) -> list[str]:
+    """One line each for what a LoRA run of this family asked for that will not train: no expert of a
+    mixture of experts (`all-linear` means attention and dense MLPs, experts are not linear layers),
+    and, under QLoRA, the dense linears `lora_targets` had to leave out."""
+    warnings = []
+    if fam.experts is not None and not targets.experts:
+        warnings.append(f"--lora-targets {text}: no expert of this mixture-of-experts model trains (its experts are fused "
+                        f"3-D parameters, not linear layers); --lora-targets {ALL_LINEAR}+{EXPERTS} adapts them too.")
+    if targets.left_out:
+        warnings.append(f"--lora-targets {text}: {', '.join(targets.left_out)} of the dense layers and shared experts get no "
+                        "adapter under QLoRA (PEFT 0.21 takes those names for the experts'; their 4-bit weights cannot "
+                        "take one through target_parameters); --method lora adapts them.")
+    return warnings

@@ -59,10 +59,10 @@ def table(kinds: dict[str, tuple[int, int]], planned: dict[str, tuple[int, int]]
     return "\n".join(lines)
 
 
-def untrained_experts_warning(config, model_type: str) -> str | None:
-    """families.untrained_experts_warning for a LoRA/QLoRA run's --lora-targets (`config`: its TrainConfig)."""
+def lora_warnings(config, model_type: str) -> list[str]:
+    """families.lora_warnings for a LoRA/QLoRA run's --lora-targets (`config`: its TrainConfig)."""
     fam = families.family(model_type)
     if config.method == "full" or fam is None:
-        return None
+        return []
     targets = families.lora_targets(config.lora_targets, fam, config.model, quantized=config.method == "qlora")
-    return families.untrained_experts_warning(config.lora_targets, fam, targets)
+    return families.lora_warnings(config.lora_targets, fam, targets)

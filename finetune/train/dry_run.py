@@ -209,8 +209,8 @@ def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: froze
     for term in BUILT_TERMS:
         lines.append(f"  {term:<12} {getattr(built, term) / GIB:>9.2f} {getattr(plan.memory, term) / GIB:>9.2f}")
     lines += ["", "Parameters by kind, as built:", inventory.table(construction.kinds, planned_kinds)]
-    warning = inventory.untrained_experts_warning(run.config, run.spec.model_type) if run.spec is not None else None
-    return "\n".join(lines + ([warning] if warning else []))
+    warnings = inventory.lora_warnings(run.config, run.spec.model_type) if run.spec is not None else []
+    return "\n".join(lines + warnings)
 
 
 def planned_by_kind(w: Workload) -> dict[str, tuple[int, int]]:
@@ -288,12 +288,12 @@ def check_cpu_run(config: TrainConfig) -> None:
     spec = architecture_of(config.model)
     if config.allow_cpu or spec is None or torch.cuda.is_available():
         return
-    params = count_params(spec).total
+    params, active = count_params(spec).total, count_params(spec).active  # a mixture of experts computes with its active ones
     if params <= CPU_PARAMS_LIMIT:
         return
     tokens = config.micro_batch_size * config.max_seq_len * (config.gradient_accumulation_steps or 1)
     cores = os.cpu_count() or 1
-    seconds = (6 if config.method == "full" else 4) * params * tokens / (CPU_FLOPS_PER_CORE * cores)
+    seconds = (6 if config.method == "full" else 4) * active * tokens / (CPU_FLOPS_PER_CORE * cores)
     raise FinetuneError(
         f"This machine has no GPU: {spec.name} ({params / 1e9:.2f}B parameters) would train on its {cores} CPU cores "
         f"at about {_duration(seconds)} per optimizer step ({tokens:,} tokens; estimated at {CPU_FLOPS_PER_CORE:.0e} "

@@ -268,8 +268,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
         f"{resolved['total_parameters']:,} parameters")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     say(inventory.table(inventory.by_kind(model, base.config.model_type)))
-    warning = inventory.untrained_experts_warning(config, base.config.model_type)
-    if warning:
+    for warning in inventory.lora_warnings(config, base.config.model_type):
         say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
         f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
