@@ -17,8 +17,8 @@ from finetune.plan.params import count_params, layer_kinds, lora_params, resolve
 
 BASE = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=128, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=1)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
-           topk_group=1)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+           n_group=1, topk_group=1)  # latent attention's rotary embedding is head_dim wide: qk_rope_head_dim
 TINY = {  # model_type → what its tiny config.json changes from BASE (3 layers, so dense and sparse layers mix)
     "llama": dict(attention_bias=True), "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {},
     "gemma3_text": {}, "phi3": {}, "olmo": {}, "olmo2": {}, "granite": {},

@@ -12,6 +12,7 @@ from helpers import build_word_run, tiny_model, train_steps, word_tokenizer
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.models import loading
+from test_families import TINY, tiny_config
 
 bitsandbytes = pytest.importorskip("bitsandbytes")
 
@@ -91,9 +92,20 @@ def test_lora_on_4bit_experts_adds_one_update_per_forward_and_trains(tmp_path):
     ("olmoe-1b-7b", "qlora", "experts"),
     ("deepseek-v2-lite", "lora", "all-linear+experts"),
     ("gemma-3-12b", "qlora", "all-linear"),
+    ("qwen2_moe", "qlora", "all-linear+experts"),  # families without a catalog entry: test_families.py's tiny config
+    ("deepseek_v3", "qlora", "all-linear+experts"),
 ])
 def test_tiny_configs_of_each_family_train(shape, method, targets, tmp_path):
-    session = build_word_run(tmp_path / "run", method=method, shape=shape, lora_targets=targets, lr=1e-2)
+    model = {}
+    if shape in TINY:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config(shape))).save_pretrained(tmp_path / "m")
+        word_tokenizer().save_pretrained(tmp_path / "m")
+        model = {"model": str(tmp_path / "m")}
+    session = build_word_run(tmp_path / "run", method=method, shape="tiny" if model else shape, lora_targets=targets,
+                             lr=1e-2, **model)
     batch = next(iter(session.train_loader))
     with torch.no_grad():
         before_loss = session.model(**batch).loss.item()

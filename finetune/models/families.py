@@ -297,8 +297,9 @@ def shrink(config: dict, layers: int, hidden: int, heads: int = 4, overrides: di
         if "first_k_dense_replace" in config:
             shrunk["first_k_dense_replace"] = min(config["first_k_dense_replace"] or 0, layers - 1)
     if fam is not None and fam.mla:  # latent attention is multi-head: as many key/value heads as query heads
-        shrunk |= {"num_key_value_heads": heads, "kv_lora_rank": hidden // 4,
-                   "q_lora_rank": hidden // 2 if config.get("q_lora_rank") else None, "qk_rope_head_dim": hidden // heads // 2,
+        rope = hidden // heads // 2  # transformers' rotary embedding of latent attention is head_dim wide
+        shrunk |= {"num_key_value_heads": heads, "kv_lora_rank": hidden // 4, "head_dim": rope,
+                   "q_lora_rank": hidden // 2 if config.get("q_lora_rank") else None, "qk_rope_head_dim": rope,
                    "qk_nope_head_dim": hidden // heads, "v_head_dim": hidden // heads, "n_group": 1, "topk_group": 1}
     return shrunk | (overrides or {})
 

@@ -323,13 +323,16 @@ def lora_config(model: torch.nn.Module, config: TrainConfig):
     if fam is None:
         return LoraConfig(target_modules=config.lora_target_modules, **common)
     targets = families.lora_targets(config.lora_targets, fam, config.model, quantized=config.method == "qlora")
+    # never a vision tower, nor the container of a 4-bit expert's dequantization (experts.parametrizations.down_proj
+    # is no down_proj linear of a shared expert)
+    excluded = (*targets.exclude, "parametrizations")
     if targets.experts and config.lora_dropout:
         raise FinetuneError(f"--lora-targets {config.lora_targets}: LoRA on fused expert parameters has no dropout "
                             "(PEFT cannot drop out the input of one expert); use --lora-dropout 0.")
     return LoraConfig(target_modules=list(targets.modules) or None,
                       target_parameters=expert_parameter_names(model, targets) or None,
                       modules_to_save=list(targets.whole) or None,
-                      exclude_modules=rf"(.*\.)?({'|'.join(targets.exclude)})(\..*)?" if targets.exclude else None, **common)
+                      exclude_modules=rf"(.*\.)?({'|'.join(excluded)})(\..*)?", **common)
 
 
 def expert_parameter_names(model: torch.nn.Module, targets: families.LoraTargets) -> list[str]:

@@ -38,7 +38,7 @@ CATEGORIES = {
 
 
 # The plans --simulate runs; the output names it whenever the plan asked about is not one of them.
-CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without offload (mixtures of experts in 16 bits)"
+CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 without offload"
 
 
 def cannot_simulate(w: Workload) -> str | None:
