@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO
+from safetensors.torch import load_file
 import yaml
 
 from finetune.launch import rehearse
@@ -83,13 +84,19 @@ def test_shipped_config_rehearses_on_cpu(name, rehearsed):
     result = rehearsed(name)
     assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
     assert result.strategy == STRATEGY[name]
-    assert len(result.losses) == STEPS and result.losses[-1] < result.losses[0]
     run_dir = Path(result.output_dir)
     flags = REHEARSALS[name][1]
+    model = flags[flags.index("--model") + 1] if "--model" in flags else "tiny"
+    assert len(result.losses) == STEPS
+    if model == "tiny":  # 3 updates of tiny-moe's adapters meet batches of different lengths: it checks the adapters
+        assert result.losses[-1] < result.losses[0]
     if "--method" in flags:  # LoRA / QLoRA: a non-empty adapter, never an empty shell
         tensors, values = rehearse.safetensors_content(run_dir / "adapter_model.safetensors")
-        model = flags[flags.index("--model") + 1] if "--model" in flags else "tiny"
         assert tensors == ADAPTER_TENSORS[model] and values > 0
+    if model != "tiny":  # every LoRA B (zero at the start) moved: the experts' adapters trained on every rank's data
+        adapter = load_file(run_dir / "adapter_model.safetensors")
+        moved = {name: bool(t.abs().sum() > 0) for name, t in adapter.items() if "lora_B" in name}
+        assert moved and all(moved.values()) and any("experts" in name for name in moved), moved
     if name.startswith("zero"):
         resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
         assert (resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"],
