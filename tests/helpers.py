@@ -19,16 +19,18 @@ def reset_accelerate() -> None:
 
 
 def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
-    """The catalog entry `name` shrunk by `catalog.shrink` (2 layers of width 32 unless asked otherwise;
+    """The catalog entry `name` shrunk by `families.shrink` (2 layers of width 32 unless asked otherwise;
     same class, same module names), seeded: rehearse shrinks real models the same way."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.models.catalog import get, shrink
+    from finetune.models.catalog import get
+    from finetune.models.families import attention_implementation, shrink
 
-    config = shrink(get(name).to_hf_config_dict(), layers, hidden) | {"vocab_size": vocab_size}
+    config = shrink(get(name).to_hf_config_dict(), layers, hidden, overrides={"vocab_size": vocab_size})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config),
+                                            attn_implementation=attention_implementation(config["model_type"]))
 
 
 def word_tokenizer():
@@ -101,23 +103,24 @@ def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
 WORD_RUN_ROWS, WORD_RUN_WORDS = 64, 7
 
 
-def word_run_model(folder: Path) -> Path:
-    """`folder` holding the tiny Llama (seed 0) and the word tokenizer, as a pretrained model would be."""
+def word_run_model(folder: Path, shape: str = "tiny") -> Path:
+    """`folder` holding the catalog entry `shape` shrunk (seed 0; the tiny Llama unless asked) and the word
+    tokenizer, as a pretrained model would be."""
     if not folder.is_dir():
-        tiny_model(seed=0).save_pretrained(folder)
+        tiny_model(shape, seed=0).save_pretrained(folder)
         word_tokenizer().save_pretrained(folder)
     return folder
 
 
-def build_word_run(output_dir: Path, method: str = "full", **flags):
-    """`train.setup` of a tiny run: the model in `<output_dir>/base_model`, WORD_RUN_ROWS rows of
-    WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed when
-    `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
+def build_word_run(output_dir: Path, method: str = "full", shape: str = "tiny", **flags):
+    """`train.setup` of a tiny run: the model (`shape` shrunk) in `<output_dir>/base_model`, WORD_RUN_ROWS
+    rows of WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed
+    when `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
     from finetune.config.options import TrainConfig
     from finetune.train.run import resolve, setup
 
     rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([WORD_RUN_WORDS] * WORD_RUN_ROWS))
-    defaults = {"model": str(word_run_model(output_dir / "base_model")), "dataset": str(rows), "max_eval_examples": 0,
+    defaults = {"model": str(word_run_model(output_dir / "base_model", shape)), "dataset": str(rows), "max_eval_examples": 0,
                 "lr": 1e-3, "lora_r": 4, "lora_alpha": 8}
     return setup(*resolve(TrainConfig(output_dir=str(output_dir), method=method, **defaults | flags)))
 

@@ -52,9 +52,11 @@ RUN = ["--model", "tiny", "--max-steps", str(STEPS), "--save-every", "2", "--mic
        "--max-eval-examples", "0"]
 LAUNCH_TIMEOUT = 300  # seconds: the slowest launch here takes about 60
 METHODS = {"full": [], "lora": ["--method", "lora", "--lora-r", "4", "--lora-dropout", "0.1"],
-           "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"]}
+           "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"],
+           # a mixture of experts, LoRA on its attention and its fused experts (no dropout there)
+           "moe-lora": ["--model", "tiny-moe", "--method", "lora", "--lora-r", "4", "--lora-targets", "all-linear+experts"]}
 RESUME_CASES = [("single", "full"), ("single", "lora"), ("single", "qlora"), ("ddp", "lora"), ("fsdp2", "lora"),
-                ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora")]
+                ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora"), ("ddp", "moe-lora")]
 INTERRUPTED = {"ddp": "kill -9", "fsdp2": "kill -9", "zero1": "kill -9", "zero2": "kill -9", "zero3": "kill -9",
                "fsdp2_offload": "disk full", "zero3_offload": "disk full"}
 TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])

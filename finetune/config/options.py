@@ -45,7 +45,9 @@ class TrainConfig:
     lora_r: int = _field(16, "LoRA rank.")
     lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = _field(0.0, "Dropout on the LoRA branch.")
-    lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
+    lora_targets: str = _field("all-linear", "What LoRA adapts: all-linear (attention and dense MLPs), all-linear+experts "
+                               "(and a mixture of experts' experts), or a comma list such as q_proj,v_proj "
+                               "(also lm_head; experts, experts.down_proj, router).")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     gradient_checkpointing_layers: int | None = _field(None, "With --gradient-checkpointing: recompute only the first N decoder layers; the others keep their activations (no recompute: faster, more memory). Unset: all. `finetune plan` recommends the fewest that fit.")
     liger: bool | None = _field(None, "Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy without full-vocabulary logits); unset: on for CUDA where liger-kernel is installed and imports, off on CPU. Like the chunked loss, never under ZeRO-3, with LoRA on lm_head or a quantized head.")

@@ -11,17 +11,19 @@ Liger's fused linear cross-entropy do the same; this one is plain torch, so it a
 wherever Liger is not installed.
 
 `install` patches the instance's forward: called with `labels`, it runs the backbone and returns
-the loss (no logits); without labels (evaluation, generation) it is the model's own forward.
+the loss (no logits), plus a mixture of experts' load-balancing loss where its config turns that on,
+as the model's own forward adds it; without labels (evaluation, generation) it is the model's own forward.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from finetune.config.names import IGNORE_INDEX
 from finetune.plan.memory import chunk_tokens
@@ -51,9 +53,21 @@ def install(model: torch.nn.Module) -> None:
         backbone = getattr(model, model.base_model_prefix)(*args, **kwargs)
         loss = chunked_cross_entropy(backbone.last_hidden_state, model.get_output_embeddings().weight, labels,
                                      num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss)
+        aux = router_loss(model, backbone, kwargs.get("attention_mask"))
+        return MoeCausalLMOutputWithPast(loss=loss if aux is None else loss + model.router_aux_loss_coef * aux, aux_loss=aux)
 
     model.forward = forward
+
+
+def router_loss(model: torch.nn.Module, backbone, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The load-balancing loss a mixture of experts' CausalLM adds when its config sets
+    output_router_logits (the backbone then returns the router logits): the model module's own
+    function, called as the model's forward calls it. None for other models."""
+    router_logits = getattr(backbone, "router_logits", None)
+    if not router_logits:
+        return None
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    return balance(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,

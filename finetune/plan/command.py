@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: bf16-mixed for full, bf16-true for LoRA/QLoRA (fp16-mixed / fp16-true without bf16)")
     parser.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), help="auto: adamw")
     parser.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
-    parser.add_argument("--lora-targets", help="all-linear (default) or a comma list such as q_proj,v_proj")
+    parser.add_argument("--lora-targets", help="all-linear (default), all-linear+experts (a mixture of experts' experts "
+                        "too), or a comma list such as q_proj,v_proj")
     parser.add_argument("--micro-batch-size", type=int, help="default: the largest that fits")
     parser.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches per update (default 1)")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
+from finetune.plan import params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
 from finetune.plan.traffic import (DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels,
@@ -261,7 +262,8 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time to issue one micro-batch's kernels: per decoder layer, per adapted linear (once
     more for the layers whose forward checkpointing recomputes), per 4-bit dequantization."""
     layers = w.model.num_layers
-    adapted = 0 if w.method == "full" else layers * len(resolve_lora_targets(w.model, w.lora_targets))
+    targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+    adapted = 0 if targets is None else sum(n * len(params.adapted(linears, targets)) for n, linears in params.layer_kinds(w.model))
     passes = 1 + FORWARD_SHARE * w.recompute_share
     per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
     return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)

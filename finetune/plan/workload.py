@@ -60,6 +60,8 @@ class Workload:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
         object.__setattr__(self, "precision", named(PRECISIONS, self.precision, "--precision"))
+        if not self.model.family.sdpa:  # gpt-oss's attention sinks: transformers runs it eagerly
+            object.__setattr__(self, "attention", "eager")
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,9 @@ The loop counts target tokens over the whole accumulation window on all ranks be
 forward, asks the model for `sum(token losses) / global_tokens`, and multiplies by
 `accumulation × world_size` to undo `accelerator.backward`'s division by the accumulation steps and
 the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 × accum 4 ≡ 2 ranks × micro 2.
+A mixture of experts' load-balancing loss (added by the model when its config sets
+output_router_logits) is a mean per micro-batch: it is averaged over micro-batches and ranks instead,
+and logged apart from the token loss.
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
 def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: DataLoader, *, progress: Progress,
           max_steps: int, max_grad_norm: float, metrics: MetricsRecorder, checkpointer: Checkpointer | None = None,
-          evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> None:
+          evaluate: Callable[[], dict] | None = None, eval_every: int = 0, router_aux_loss_coef: float = 0.0) -> None:
     """Run optimizer updates until `progress.step == max_steps` (or a preemption signal).
 
     `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates;
-    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py).
+    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py);
+    `router_aux_loss_coef` is the weight the model gives its load-balancing loss, if it adds one.
     """
     accumulation, world_size = accelerator.gradient_accumulation_steps, accelerator.num_processes
     model.train()
@@ -82,12 +86,18 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
             counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
             global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            step_aux = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             grad_norm = None  # clipped on the window's last micro-batch, where the gradients are synced
             for batch in window:
                 with accelerator.accumulate(model):
-                    loss = model(**batch, num_items_in_batch=global_targets).loss  # local sum / global count
-                    accelerator.backward(loss * accumulation * world_size)
+                    out = model(**batch, num_items_in_batch=global_targets)
+                    aux = getattr(out, "aux_loss", None) if router_aux_loss_coef else None
+                    balance = 0.0 if aux is None else router_aux_loss_coef * aux  # a mean per micro-batch
+                    loss = out.loss - balance  # local sum / global count
+                    accelerator.backward(loss * accumulation * world_size + balance)
                     step_loss += loss.detach()
+                    if aux is not None:
+                        step_aux += aux.detach() / (accumulation * world_size)
                     if accelerator.sync_gradients:
                         if max_grad_norm:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -101,6 +111,7 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
             metrics.record_step(
                 step=progress.step,
                 loss=accelerator.reduce(step_loss, reduction="sum").item(),
+                aux_loss=accelerator.reduce(step_aux, reduction="sum").item() if router_aux_loss_coef else None,
                 lr=lr,
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens=int(global_inputs),

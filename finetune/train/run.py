@@ -29,7 +29,7 @@ from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConf
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.models import loading
+from finetune.models import inventory, loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
 from finetune.train.accelerator import build_accelerator
@@ -159,7 +159,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
     checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
     resume(checkpointer, scheduler, progress, run.max_steps)
-    announce(run, accelerator, data, resolved)
+    announce(run, accelerator, data, resolved, accelerator.unwrap_model(model))
     evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
     return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
                    checkpointer, evaluate, resolved)
@@ -185,7 +185,8 @@ def fit(session: Session) -> dict:
     try:
         loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
                    max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
-                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every)
+                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
+                   router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
     finally:
         s.checkpointer.close()  # the preemption signals go back to their handlers
     if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
@@ -215,6 +216,13 @@ def fit(session: Session) -> dict:
     return summary
 
 
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The weight a mixture of experts' forward gives its load-balancing loss: its config's
+    router_aux_loss_coef when output_router_logits is set, else 0 (no such loss is added)."""
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    return float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+
+
 def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) -> int:
     """--max-steps, or the updates of --epochs (whole accumulation windows; see loop.accumulation_windows)."""
     windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
@@ -224,7 +232,7 @@ def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) ->
 def resolved_numbers(run: ResolvedRun, model: torch.nn.Module, data: PreparedData) -> dict:
     """What the flags resolved to on this launch: written to run.yaml and every checkpoint's manifest."""
     batch = run.batch
-    trainable, total = loading.parameter_counts(model)
+    trainable, total = inventory.parameter_counts(model)
     return {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
             "global_batch_size": batch.global_batch_size, "max_steps": run.max_steps, "peak_lr": run.peak_lr,
             "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
@@ -248,14 +256,20 @@ def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps:
             say(schedule_change)
 
 
-def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict) -> None:
-    """run.yaml, the run's shape printed as nanoGPT prints its derived numbers, and the trackers."""
+def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict,
+             model: torch.nn.Module) -> None:
+    """run.yaml, the run's shape printed as nanoGPT prints its derived numbers (what trains, by kind),
+    and the trackers."""
     config, batch = run.config, run.batch
     if accelerator.is_main_process:
         save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
     say = accelerator.print
     say(f"model {config.model} ({config.method}): {resolved['trainable_parameters']:,} trainable of "
         f"{resolved['total_parameters']:,} parameters")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    say(inventory.table(inventory.by_kind(model, base.config.model_type)))
+    for warning in inventory.lora_warnings(config, base.config.model_type):
+        say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
         f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
         f"{batch.world_size} = global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")

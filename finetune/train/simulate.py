@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
+from finetune.plan import gpus as gpu_catalog
 from finetune.plan.memory import GIB, estimate
-from finetune.plan.workload import Workload
+from finetune.plan.moe import expert_bytes
+from finetune.plan.workload import Workload, from_run
 
 if TYPE_CHECKING:
     from finetune.config.names import Strategy
@@ -41,10 +43,12 @@ CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 with
 
 def cannot_simulate(w: Workload) -> str | None:
     """Why the plan `w` is outside CHECKS, or None when --simulate can run it."""
-    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer)
+    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer, w.model.moe and expert_bytes(w) == 4)
 
 
-def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str) -> str | None:
+def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str, fp32_experts: bool = False) -> str | None:
+    if fp32_experts:  # -mixed and fp32 runs: the grouped matmuls take the experts' fp32 weights
+        return "a mixture of experts computing in fp32 (torch's fake grouped matmul takes bf16 only)"
     if method == "qlora":
         return "QLoRA (bitsandbytes' 4-bit kernels do not run on fake tensors)"
     if strategy.ddp or strategy.deepspeed:
@@ -65,7 +69,7 @@ class Simulation:
 def simulate(run: ResolvedRun) -> Simulation:
     """Peak tracked memory of one GPU over two accumulation micro-steps of `run`. Raises
     FinetuneError for a run outside CHECKS."""
-    reason = _outside_checks(run.config.method, run.strategy, run.offload, run.config.optimizer)
+    reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
     if reason is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     if run.strategy.fsdp:
@@ -148,7 +152,8 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            for layer in base.model.layers:
+            # the units Accelerate's transformer-based wrap makes: every module of a _no_split_modules class
+            for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
             # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
