@@ -21,6 +21,7 @@ from finetune.errors import FinetuneError
 from finetune.library_logs import quiet_libraries
 from finetune.plan import report
 from finetune.plan.choose import PARTIAL_CHECKPOINTING_HEADROOM, Plan, Request, plan
+from finetune.plan.parallel import CP_MIN_SEQ_LEN
 from finetune.plan.files import ACCELERATE_FILE, DEFAULT_CONFIG_DIR, config_texts, train_flags, write_configs
 from finetune.models.source import resolve_model, spec_from_config
 from finetune.plan.query import parse_gpus, parse_query
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
+    parser.add_argument("--tp", type=int, help="tensor parallel size: GPUs of a node that split every linear layer "
+                        "(default: searched; 1: none)")
+    parser.add_argument("--cp", type=int, help="context parallel size: GPUs that split every row's tokens (default: "
+                        f"searched for rows of {CP_MIN_SEQ_LEN:,} tokens or more; 1: none)")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
     parser.add_argument("--host-memory", metavar="GiB|local",
                         help="host RAM per node a plan may use (default: what the GPU's usual cloud instance has; "

@@ -61,7 +61,7 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                       gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
                       lora_r=w.lora_r, lora_targets=w.lora_targets,
-                      gradient_accumulation_steps=w.gradient_accumulation_steps)
+                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))
 
@@ -163,8 +163,11 @@ def _bytes(tensor) -> int:
 
 
 def built_per_gpu(run: ResolvedRun, workload: Workload) -> Placement:
-    """`built_states` placed on one GPU by the run's strategy and offload (as the planner places its own)."""
-    return place_states(workload, built_states(run))
+    """`built_states` placed on one GPU by the run's strategy and offload (as the planner places its own);
+    under TP, of the slice of the model one rank holds (simulate.one_rank)."""
+    from finetune.train.simulate import one_rank
+
+    return place_states(workload, built_states(one_rank(run)))
 
 
 def run_command(run: ResolvedRun, plan: Plan, given: frozenset[str]) -> tuple[str, str | None]:
