@@ -115,8 +115,9 @@ def parallelism_problems(p: Parallelism, *, spec: ModelSpec | None, method: str,
     if deepspeed:
         problems.append(f"{which} runs on FSDP2, not DeepSpeed ZeRO: launch with accelerate_configs/fsdp.yaml")
     if p.tp > 1 and p.cp > 1:
-        problems.append("--tp and --cp together: Accelerate 1.15 prepares a tensor-parallel model only when it shards it itself, "
-                        "which transformers 5's TP layout does not allow; use one of them")
+        problems.append("--tp and --cp together: CP runs through Accelerate's ParallelismConfig, whose FSDP2 shards the model "
+                        "itself and cannot take one transformers has already split for TP (Accelerate 1.15, transformers 5); "
+                        "use one of them")
     if p.tp > 1:
         if offload != "none":
             problems.append(f"--tp {p.tp} with FSDP {offload} offload: transformers lays out the TP model and its FSDP2 "
