@@ -265,23 +265,10 @@ def test_a_tp_plans_printed_launch_command_runs_as_printed(tmp_path):
     """The command `finetune plan` prints for a TP plan, and the files it writes, with only the model
     swapped for `tiny` and the run shortened, train 2 CPU processes under `accelerate launch`."""
     import json
-    import os
-    import shlex
-    import subprocess
-    import sys
+    from helpers import run_printed_launch
 
-    from finetune.plan.files import launch_command, write_configs
-    from finetune.train.accelerator import free_port
-
-    chosen = layout_plan("full FSDP2 + TP 2")
-    write_configs(chosen, tmp_path / "plan")
-    words = shlex.split(launch_command(chosen, str(tmp_path / "plan")))
-    words[words.index("--model") + 1] = "tiny"
-    command = [sys.executable, "-m", "accelerate.commands.launch", *words[2:5], "--main_process_port", str(free_port()),
-               *words[5:], "--max-steps", "2", "--max-seq-len", "64", "--max-eval-examples", "0",
-               "--output-dir", str(tmp_path / "out")]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = run_printed_launch(layout_plan("full FSDP2 + TP 2"), tmp_path, {"ACCELERATE_USE_CPU": "1"},
+                              "--max-eval-examples", "0")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "strategy: FSDP2 on cpu (gloo)" in done.stdout and "layout: TP 2 (tp 2, cp 1, dp_shard 1)" in done.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2
