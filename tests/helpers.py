@@ -156,3 +156,24 @@ def weights(session) -> dict:
 LIGER_WORKING = ("def apply_liger_kernel_to_llama(model=None, **kwargs):\n    model.patched_by_liger = True\n"
                  "MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': apply_liger_kernel_to_llama, 'mistral': apply_liger_kernel_to_llama}\n")
 LIGER_BROKEN = "raise ImportError(\"cannot import name 'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama'\")\n"
+
+
+def run_printed_launch(plan, folder: Path, env: dict, *flags: str):
+    """The launch command `finetune plan` prints for `plan`, with the files it writes (`folder/plan`),
+    run as printed under `accelerate launch` but for the model, swapped for `tiny`, and the run,
+    shortened to 2 steps of 64 tokens (`flags` added); its output dir is `folder/out`."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from finetune.plan.files import launch_command, write_configs
+    from finetune.train.accelerator import free_port
+
+    write_configs(plan, folder / "plan")
+    words = shlex.split(launch_command(plan, str(folder / "plan")))
+    words[words.index("--model") + 1] = "tiny"
+    command = [sys.executable, "-m", "accelerate.commands.launch", *words[2:5], "--main_process_port", str(free_port()),
+               *words[5:], "--max-steps", "2", "--max-seq-len", "64", *flags, "--output-dir", str(folder / "out")]
+    return subprocess.run(command, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | env, capture_output=True, text=True,
+                          timeout=900)

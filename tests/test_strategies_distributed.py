@@ -35,6 +35,7 @@ REHEARSALS = {
     "fsdp": ("fsdp.yaml", []),
     "fsdp_offload": ("fsdp_offload.yaml", []),
     "fsdp_chunked_loss": ("fsdp.yaml", ["--chunked-loss"]),  # the head's gradient gathered and scattered back
+    "fsdp_tp": ("fsdp.yaml", ["--tp", "2"]),  # tensor parallel over both processes: transformers' TP plan
     "zero1": ("deepspeed_zero1.yaml", []),
     "zero2": ("deepspeed_zero2.yaml", []),
     "zero3": ("deepspeed_zero3.yaml", []),
@@ -51,7 +52,8 @@ REHEARSALS = {
 }
 ONE, TWO = "on cpu, 1 process(es)", "on cpu, 2 process(es)"
 STRATEGY = {"single": f"single device {ONE}", "ddp": f"DDP {TWO}", "multi_node": f"DDP {TWO}",
-            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_chunked_loss": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
+            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_chunked_loss": f"FSDP2 {TWO}",
+            "fsdp_tp": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
             "fsdp_qlora": f"FSDP2 {TWO}", "zero1": f"ZeRO-1 {TWO}", "zero2": f"ZeRO-2 {TWO}",
             "zero2_offload_json": f"ZeRO-2 {TWO}", "zero3": f"ZeRO-3 {TWO}", "zero3_offload": f"ZeRO-3 {TWO}",
             "zero2_lora": f"ZeRO-2 {TWO}", "zero3_lora": f"ZeRO-3 {TWO}", "zero3_qlora": f"ZeRO-3 {TWO}",
@@ -164,6 +166,8 @@ def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and
     runs["single micro 8 × accum 1"] = retrain(launched_with(reference, "single_gpu.yaml", 1, 8), tmp_path / "a")
     runs["ddp micro 1 × accum 4"] = retrain(launched_with(reference, "ddp.yaml", 2, 1), tmp_path / "b")
     runs["zero3 micro 1 × accum 4"] = retrain(launched_with(reference, "deepspeed_zero3.yaml", 2, 1), tmp_path / "c")
+    # 4 processes: FSDP2 over 2 data-parallel ranks × tensor parallel over 2 (2 cores run it, slowly)
+    runs["fsdp × tp 2 × 2"] = retrain(launched_with(reference, "fsdp.yaml", 4, 2) + ["--tp", "2"], tmp_path / "e")
     # no launcher at all: `python -m finetune --deepspeed ...` runs a 1-process ZeRO job (ZeRO-Offload on one GPU)
     runs["no launcher, zero2_offload.json"] = retrain(
         [sys.executable, "-m", "finetune", "--config", str(Path(reference.output_dir).parent / "rehearsal.yaml"),
@@ -172,6 +176,24 @@ def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and
         assert result.lrs == reference.lrs, name
         assert result.losses == pytest.approx(reference.losses, rel=1e-6), name
     assert reference.losses[0] != reference.losses[-1]  # the model trains; equal numbers are not vacuous
+    assert_exports_as_saved(Path(runs["fsdp × tp 2 × 2"].output_dir), tmp_path / "export")
+
+
+def assert_exports_as_saved(run_dir: Path, out: Path) -> None:
+    """The run's last checkpoint, consolidated by `finetune export` into one safetensors file, loads in
+    plain transformers with the logits of the model the run saved at its end."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.export.safetensors import export
+
+    export(sorted((run_dir / "checkpoints").glob("step-*"))[-1], out)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    tokens = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(input_ids=tokens).logits
+                  for folder in (out, run_dir)]
+    assert torch.equal(*logits)
 
 
 @pytest.mark.parametrize(("chunked", "zero3"), [("fsdp_lora", "zero3_lora"), ("fsdp_qlora", "zero3_qlora"),

@@ -105,14 +105,45 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
     Accelerate's rank-0 / zero.Init paths instead).
     """
     kwargs = model_kwargs(run)
-    if device.type == "cuda" and not run.strategy.shards_weights:
+    if run.parallelism.tp > 1:
+        kwargs["distributed_config"] = tensor_parallel_layout(run)
+    elif device.type == "cuda" and not run.strategy.shards_weights:
         kwargs["device_map"] = {"": device}
     attention = families.attention_implementation(run.spec.model_type if run.spec is not None else "")
     model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation=attention,
                              trust_remote_code=run.config.trust_remote_code, **kwargs)
     if run.strategy.zero_stage == 3:
         mark_zero3_leaves(model)
-    return prepare_for_training(model, run.config)
+    model = prepare_for_training(model, run.config)
+    if run.parallelism.tp > 1:
+        shard_what_transformers_left(model, run)
+    return model
+
+
+def tensor_parallel_layout(run: ResolvedRun):
+    """transformers' own layout of a --tp run (train/parallel.py says why it, not Accelerate): the
+    model's TP plan over each group of `tp` consecutive ranks, then FSDP2 over the data-parallel
+    ranks, weights loaded straight into their shards. Under bf16-mixed FSDP2 gathers bf16 copies of
+    the fp32 weights, as Accelerate's FSDP2 mixed precision does."""
+    from transformers.distributed import DistributedConfig
+
+    p = run.parallelism
+    return DistributedConfig(tp_size=p.tp, fsdp_size=p.dp_shard, dp_replicate_size=p.dp_replicate,
+                             fsdp_mixed_precision=run.precision.name == "bf16-mixed")
+
+
+def shard_what_transformers_left(model: torch.nn.Module, run: ResolvedRun) -> None:
+    """Make the outermost module an FSDP2 unit over the data-parallel ranks, if transformers did not:
+    with TP alone (its FSDP runs only over 2 or more ranks), and around LoRA adapters, added after
+    it loaded. Accelerate then leaves the layout as it is, and saves it as sharded checkpoints."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if run.precision.name == "bf16-mixed" else MixedPrecisionPolicy()
+    fully_shard(model, mesh=base._device_mesh["fsdp"], mp_policy=policy)
 
 
 def mark_zero3_leaves(model: torch.nn.Module) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.config.names import trains_pure_bf16
-from finetune.plan import moe
+from finetune.plan import moe, parallel
 from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
 from finetune.plan.workload import Workload
 
@@ -103,9 +103,10 @@ def trainable_bytes(w: Workload) -> int:
 
 
 def model_states(w: Workload) -> ModelStates:
-    counts = count_params(w.model)
+    """What one GPU's model holds before FSDP/ZeRO shard it: the whole model, or a TP rank's slice."""
+    counts = parallel.rank_params(w)
     p = w.precision
-    n_train = trainable_params(w)
+    n_train = parallel.rank_trainable_params(w)
     weight = trainable_bytes(w)
     base_bytes = p.compute_bytes if w.deepspeed else p.weight_bytes
     if w.method == "full":
@@ -173,7 +174,7 @@ def layer_activation_bytes(w: Workload) -> float:
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
     """
-    spec, p = w.model, w.precision
+    spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
     h, e = spec.hidden_size, p.compute_bytes
     q_width = spec.num_heads * spec.resolved_head_dim
     kv_width = spec.num_kv_heads * spec.resolved_head_dim
@@ -319,7 +320,7 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     time it recomputes one, so the peak is that of the last layer, not recomputed.
     """
     spec = w.model
-    tokens = w.tokens_per_micro_batch
+    tokens = parallel.tokens_per_rank(w)
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
     kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
@@ -388,7 +389,7 @@ def autocast_weight_copies(w: Workload) -> float:
     p = w.precision
     if not p.autocast or w.strategy.computes_on_copies:
         return 0.0
-    counts = count_params(w.model)
+    counts = parallel.rank_params(w)
     head = counts.head or counts.embedding
     if w.method == "qlora":
         return p.compute_bytes * head if unquantized_bytes(w) > p.compute_bytes else 0.0
@@ -409,13 +410,13 @@ def working_set_bytes(w: Workload) -> tuple[float, float]:
     """
     if not w.strategy.shards_weights:
         return 0.0, 0.0
-    counts = count_params(w.model)
+    counts = parallel.rank_params(w)
     e = w.precision.compute_bytes
     layer = e * counts.layer
     if w.method == "qlora":  # 4-bit weights travel packed in their 16-bit storage
         layer -= (e - 0.5) * counts.layer_linear_weights
     if w.strategy.fsdp:
-        layer_gradients = e * trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
+        layer_gradients = e * parallel.rank_trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
         # a mixture of experts holds a third layer unsharded at that moment (FSDPMemTracker: Mixtral and
         # Qwen3-MoE shapes, LoRA and full, tests/test_planner_simulate.py; dense layers hold two)
         gathered = (3 if w.model.moe else 2) * layer
@@ -475,7 +476,7 @@ class Placement:
 def place_states(w: Workload, states: ModelStates) -> Placement:
     """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
     by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
-    n, strategy = w.world_size, w.strategy
+    n, strategy = w.sharding_ranks, w.strategy
     weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
     gradients = states.gradients / (n if strategy.shards_gradients else 1)
     optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)
@@ -500,7 +501,7 @@ def estimate(w: Workload) -> Breakdown:
     weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
 
     persistent = comm_buffer_bytes(w, states)
-    scratch = dequant_scratch_bytes(w)
+    scratch = dequant_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
     moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
     activations, transient = max(moments, key=sum)
     if activations + transient >= step_scratch:

@@ -25,6 +25,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
     hours, cost = p.hours(tokens), p.cost_usd(tokens)
     return {
         "method": w.method, "strategy": w.strategy.name, "offload": w.offload, "precision": w.precision.name,
+        "tp": w.tp, "cp": w.cp, "data_parallel": w.data_parallel_size,
         "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_checkpointing_layers": w.recomputed_layers,  # of model.num_layers; 0 without checkpointing
@@ -119,6 +120,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         f"{spec.name}: {size_text(spec)} on {world}× {gpu.name} "
         f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
         f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
+        "tp, cp: GPUs of one tensor- / context-parallel group; "
         "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
         "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights); "
         "tok/s~ = not measured on this chip and shape family (see the speed reason); likely = the range the "
@@ -126,14 +128,14 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
         *(f"note: {note}" for note in model_notes(spec)),
         "",
     ]
-    header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s",
-              "likely", "hours", "$")
+    header = ("", "method", "strategy", "offload", "tp", "cp", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits",
+              "tok/s", "likely", "hours", "$")
     rows = [header]
     for i, p in enumerate(plans):
         w, m = p.workload, p.memory
         hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
         rows.append((
-            "*" if i == recommended else "", w.method, w.strategy.label, w.offload,
+            "*" if i == recommended else "", w.method, w.strategy.label, w.offload, str(w.tp), str(w.cp),
             str(w.micro_batch_size), checkpointing_cell(w),
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),

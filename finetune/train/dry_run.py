@@ -61,7 +61,7 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                       gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
                       lora_r=w.lora_r, lora_targets=w.lora_targets,
-                      gradient_accumulation_steps=w.gradient_accumulation_steps)
+                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))
 
@@ -184,11 +184,13 @@ def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: froze
     the per-GPU bytes the trainer's construction actually holds beside the planned ones, and this
     run's own launch command (the options in `given`) with the command that writes its files."""
     from finetune.models import inventory
+    from finetune.train.simulate import one_rank
 
     gpu = gpu_of(run, device)
     request, plan = plan_run(run, gpu)
     construction = build(run)
-    built = place_states(plan.workload, built_states(run, construction))
+    rank = one_rank(run)  # under TP or CP, the slice of the model one rank holds
+    built = place_states(plan.workload, built_states(rank, construction if rank is run else None))
     planned_kinds = planned_by_kind(plan.workload)
     command, writer = run_command(run, plan, given)
     if as_json:

@@ -147,7 +147,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
         loading.check_packing_support(model)
     model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
 
-    collator = Collator(tokenizer)
+    collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
     train_loader = train_dataloader(data.train, run.batch, config, collator)
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
     optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
@@ -225,7 +225,7 @@ def router_aux_loss_coef(model: torch.nn.Module) -> float:
 
 def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) -> int:
     """--max-steps, or the updates of --epochs (whole accumulation windows; see loop.accumulation_windows)."""
-    windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
+    windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.data_parallel_size)) // batch.gradient_accumulation_steps
     return config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
 
 
@@ -271,8 +271,8 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
     for warning in inventory.lora_warnings(config, base.config.model_type):
         say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
-        f"{batch.world_size} = global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
+        f"= global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 
@@ -289,8 +289,10 @@ def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, c
     if len(data.eval) == 0:
         accelerator.print(f"eval: off ({NO_EVAL_REASON[config.max_eval_examples == 0]})")
         return None
-    # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
-    eval_loader = accelerator.prepare_data_loader(DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator))
+    eval_loader = DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator)
+    if config.tp * config.cp == 1:  # under TP/CP every rank evaluates every row (see loop.evaluation_loss)
+        # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
+        eval_loader = accelerator.prepare_data_loader(eval_loader)
     prompts = data.eval_prompts[:generated_prompts(config, len(data.eval_prompts))]
     accelerator.print(f"eval: loss on {len(data.eval):,} examples; "
                       + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
@@ -317,8 +319,12 @@ def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
     """
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
+    # a model transformers laid out itself (--tp) saves collectively: rank 0 writes, every rank waits
+    collective = getattr(unwrapped.config, "distributed_config", None) is not None
+    if accelerator.is_main_process or collective:
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True,
+                                  is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
 
