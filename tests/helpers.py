@@ -19,16 +19,18 @@ def reset_accelerate() -> None:
 
 
 def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
-    """The catalog entry `name` shrunk by `catalog.shrink` (2 layers of width 32 unless asked otherwise;
+    """The catalog entry `name` shrunk by `families.shrink` (2 layers of width 32 unless asked otherwise;
     same class, same module names), seeded: rehearse shrinks real models the same way."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.models.catalog import get, shrink
+    from finetune.models.catalog import get
+    from finetune.models.families import attention_implementation, shrink
 
-    config = shrink(get(name).to_hf_config_dict(), layers, hidden) | {"vocab_size": vocab_size}
+    config = shrink(get(name).to_hf_config_dict(), layers, hidden, overrides={"vocab_size": vocab_size})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config),
+                                            attn_implementation=attention_implementation(config["model_type"]))
 
 
 def word_tokenizer():
@@ -101,23 +103,24 @@ def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
 WORD_RUN_ROWS, WORD_RUN_WORDS = 64, 7
 
 
-def word_run_model(folder: Path) -> Path:
-    """`folder` holding the tiny Llama (seed 0) and the word tokenizer, as a pretrained model would be."""
+def word_run_model(folder: Path, shape: str = "tiny") -> Path:
+    """`folder` holding the catalog entry `shape` shrunk (seed 0; the tiny Llama unless asked) and the word
+    tokenizer, as a pretrained model would be."""
     if not folder.is_dir():
-        tiny_model(seed=0).save_pretrained(folder)
+        tiny_model(shape, seed=0).save_pretrained(folder)
         word_tokenizer().save_pretrained(folder)
     return folder
 
 
-def build_word_run(output_dir: Path, method: str = "full", **flags):
-    """`train.setup` of a tiny run: the model in `<output_dir>/base_model`, WORD_RUN_ROWS rows of
-    WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed when
-    `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
+def build_word_run(output_dir: Path, method: str = "full", shape: str = "tiny", **flags):
+    """`train.setup` of a tiny run: the model (`shape` shrunk) in `<output_dir>/base_model`, WORD_RUN_ROWS
+    rows of WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed
+    when `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
     from finetune.config.options import TrainConfig
     from finetune.train.run import resolve, setup
 
     rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([WORD_RUN_WORDS] * WORD_RUN_ROWS))
-    defaults = {"model": str(word_run_model(output_dir / "base_model")), "dataset": str(rows), "max_eval_examples": 0,
+    defaults = {"model": str(word_run_model(output_dir / "base_model", shape)), "dataset": str(rows), "max_eval_examples": 0,
                 "lr": 1e-3, "lora_r": 4, "lora_alpha": 8}
     return setup(*resolve(TrainConfig(output_dir=str(output_dir), method=method, **defaults | flags)))
 
@@ -153,3 +156,24 @@ def weights(session) -> dict:
 LIGER_WORKING = ("def apply_liger_kernel_to_llama(model=None, **kwargs):\n    model.patched_by_liger = True\n"
                  "MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': apply_liger_kernel_to_llama, 'mistral': apply_liger_kernel_to_llama}\n")
 LIGER_BROKEN = "raise ImportError(\"cannot import name 'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama'\")\n"
+
+
+def run_printed_launch(plan, folder: Path, env: dict, *flags: str):
+    """The launch command `finetune plan` prints for `plan`, with the files it writes (`folder/plan`),
+    run as printed under `accelerate launch` but for the model, swapped for `tiny`, and the run,
+    shortened to 2 steps of 64 tokens (`flags` added); its output dir is `folder/out`."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from finetune.plan.files import launch_command, write_configs
+    from finetune.train.accelerator import free_port
+
+    write_configs(plan, folder / "plan")
+    words = shlex.split(launch_command(plan, str(folder / "plan")))
+    words[words.index("--model") + 1] = "tiny"
+    command = [sys.executable, "-m", "accelerate.commands.launch", *words[2:5], "--main_process_port", str(free_port()),
+               *words[5:], "--max-steps", "2", "--max-seq-len", "64", *flags, "--output-dir", str(folder / "out")]
+    return subprocess.run(command, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | env, capture_output=True, text=True,
+                          timeout=900)

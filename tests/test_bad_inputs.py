@@ -242,7 +242,7 @@ CASES = [
          files={"config.json": planner_config(num_hidden_layers=0)}),
     case("plan-unknown-architecture", "plan --model config.json --gpus 1xA100-40GB", "model_type 'bert' is not supported",
          files={"config.json": planner_config(model_type="bert")}),
-    case("plan-mixture-of-experts", "plan --model config.json --gpus 1xA100-40GB", "mixture-of-experts",
+    case("plan-experts-without-top-k", "plan --model config.json --gpus 1xA100-40GB", "lacks 'num_experts_per_tok'",
          files={"config.json": planner_config(model_type="mixtral", num_local_experts=8)}),
     case("plan-gguf-missing", "plan --model model.gguf --gpus 1xA100-40GB", "--model model.gguf: no such GGUF file"),
     case("plan-gguf-package-missing", "plan --model m.gguf --gpus 1xA100-40GB", "needs the gguf package: pip install gguf",

@@ -120,6 +120,31 @@ def test_dry_run_lists_rows_with_the_planners_predictions(tmp_path):
     assert not (tmp_path / "work/random-init").exists()  # a dry run writes no checkpoint
 
 
+def test_layout_rows_list_tp_and_cp_beside_fsdp_alone_with_the_planners_predictions(tmp_path):
+    """bench/gpu/layouts.py on CPU: every TP/CP row follows FSDP2 alone on the same GPUs, with the
+    plan of its exact launch; rows needing more GPUs than there are are listed, not run."""
+    import layouts
+
+    def listed(gpus: int) -> list[dict]:
+        out = tmp_path / f"{gpus}gpu"
+        result = subprocess.run([sys.executable, str(KIT / "layouts.py"), "--dry-run", "--gpus", str(gpus), "--out", str(out),
+                                 "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return list(csv.DictReader((out / "layouts.csv").open()))
+
+    rows = listed(8)
+    assert len(rows) == len(layouts.ROWS) and {r["status"] for r in rows} == {"dry run"}
+    for plain, layout in zip(rows[::2], rows[1::2]):
+        assert (plain["tp"], plain["cp"]) == ("1", "1") and layout["tp"] != layout["cp"]
+        assert (plain["model"], plain["seq_len"], plain["gpus"]) == (layout["model"], layout["seq_len"], layout["gpus"])
+        assert float(layout["predicted_allocated_gib"]) > 0 and float(layout["predicted_tokens_per_second"]) > 0
+    assert any(r["cp"] == "8" and float(r["predicted_allocated_gib"]) < float(p["predicted_allocated_gib"])
+               for p, r in zip(rows[::2], rows[1::2]))  # CP holds less of a long row than FSDP2 alone
+    command = layouts.ROWS[1].command("/ckpt", "/data.jsonl", "/out", 0)
+    assert command[command.index("--num_processes") + 1] == "2" and command[-2:] == ["--tp", "2"]
+    assert {r["status"] for r in listed(1)} == {f"not run: needs {r.gpus} GPUs, 1 here" for r in layouts.ROWS}
+
+
 def test_rows_run_the_trainer_with_the_planned_precision(tmp_path):
     row = memory.Row("llama-7b", "qlora", 2048, True, 4)
     flags = row.train_flags("/ckpt", "/data.jsonl", "/out")

@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 # subcommands) sit with the CLI and may import from any folder.
 LAYERS = [
     ("finetune", "finetune.errors", "finetune.library_logs"),
-    ("finetune.config.names", "finetune.models.catalog", "finetune.models.gguf_import", "finetune.models.source", "finetune.plan.gpus"),
+    ("finetune.config.names", "finetune.models.families", "finetune.models.catalog", "finetune.models.gguf_import",
+     "finetune.models.source", "finetune.plan.gpus"),
     ("finetune.config",),
     ("finetune.models", "finetune.data", "finetune.checkpoint", "finetune.plan"),
     ("finetune.train",),

@@ -368,20 +368,11 @@ def test_printed_deepspeed_launch_command_runs_as_printed(tmp_path):
     """The command `finetune plan` prints for a ZeRO plan, with only the model swapped for `tiny` and
     the run shortened, trains under `accelerate launch` (it crashed before on a mixed_precision key
     that Accelerate refuses beside a DeepSpeed file)."""
-    import os
-    import shlex
-
-    from finetune.train.accelerator import free_port
+    from helpers import run_printed_launch
 
     plans, best = plan(replace(PLANS["lora DDP"], strategy="zero2"))
-    write_configs(plans[best], tmp_path / "plan")
-    words = shlex.split(launch_command(plans[best], str(tmp_path / "plan")))
-    words[words.index("--model") + 1] = "tiny"  # its --precision bf16-true runs on CPU too (autocast bf16)
-    command = [sys.executable, "-m", "accelerate.commands.launch", *words[2:5], "--main_process_port", str(free_port()),
-               *words[5:], "--max-steps", "2", "--max-seq-len", "64", "--max-eval-examples", "8",
-               "--output-dir", str(tmp_path / "out")]
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    # its --precision bf16-true runs on CPU too (autocast bf16)
+    done = run_printed_launch(plans[best], tmp_path, {"DS_ACCELERATOR": "cpu"}, "--max-eval-examples", "8")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "strategy: ZeRO-2 on cpu (gloo)" in done.stdout and "precision: bf16-true" in done.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2

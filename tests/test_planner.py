@@ -82,8 +82,12 @@ def test_model_from_local_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = resolve_model(str(tmp_path))
     assert spec.num_layers == 2 and spec.hidden_size == 4096
-    (tmp_path / "config.json").write_text(json.dumps(dict(config, num_local_experts=8)))
-    with pytest.raises(FinetuneError, match="mixture-of-experts"):
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="mixtral", num_local_experts=8,
+                                                          num_experts_per_tok=2)))
+    moe = resolve_model(str(tmp_path))
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size) == (8, 2, 11008)
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(FinetuneError, match="model_type 'bert' is not supported"):
         resolve_model(str(tmp_path))
 
 

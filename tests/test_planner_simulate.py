@@ -51,6 +51,11 @@ CASES = {  # name → (catalog shape, layers, training flags, processes under FS
     "fsdp2 lora checkpointing 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True), 4),
     "fsdp2 lora checkpointing 3 of 4 layers 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048, gradient_checkpointing=True,
                                                                           gradient_checkpointing_layers=3), 4),
+    # mixtures of experts at full width: routed activations, LoRA's W + ΔW copies of the experts, FSDP2's units
+    "moe lora all-linear+experts": ("qwen3-30b-a3b", 2, dict(method="lora", lora_targets="all-linear+experts",
+                                                              max_seq_len=1024), 1),
+    "moe lora checkpointing seq 4096": ("qwen3-30b-a3b", 2, dict(method="lora", max_seq_len=4096, gradient_checkpointing=True), 1),
+    "moe fsdp2 lora 4 ranks": ("mixtral-8x7b", 4, dict(method="lora", max_seq_len=512), 4),
 }
 
 

@@ -39,6 +39,7 @@ CONFIGS = {  # accelerate config per strategy; "single" runs `python -m finetune
     "single": None,
     "ddp": "accelerate_configs/ddp.yaml",
     "fsdp2": "accelerate_configs/fsdp.yaml",
+    "fsdp2_tp": "accelerate_configs/fsdp.yaml",  # with LAYOUT_FLAGS: tensor parallel over the 2 processes
     "fsdp2_offload": "accelerate_configs/fsdp_offload.yaml",
     "zero1": "accelerate_configs/deepspeed_zero1.yaml",
     "zero2": "accelerate_configs/deepspeed_zero2.yaml",
@@ -52,9 +53,13 @@ RUN = ["--model", "tiny", "--max-steps", str(STEPS), "--save-every", "2", "--mic
        "--max-eval-examples", "0"]
 LAUNCH_TIMEOUT = 300  # seconds: the slowest launch here takes about 60
 METHODS = {"full": [], "lora": ["--method", "lora", "--lora-r", "4", "--lora-dropout", "0.1"],
-           "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"]}
+           "qlora": ["--method", "qlora", "--lora-r", "4", "--lora-dropout", "0.1"],
+           # a mixture of experts, LoRA on its attention and its fused experts (no dropout there)
+           "moe-lora": ["--model", "tiny-moe", "--method", "lora", "--lora-r", "4", "--lora-targets", "all-linear+experts"]}
+# LoRA under TP adapts the column-parallel linears only (config/parallelism.py says why)
+LAYOUT_FLAGS = {"fsdp2_tp": ["--tp", "2", "--lora-targets", "q_proj,k_proj,v_proj,gate_proj,up_proj"]}
 RESUME_CASES = [("single", "full"), ("single", "lora"), ("single", "qlora"), ("ddp", "lora"), ("fsdp2", "lora"),
-                ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora")]
+                ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora"), ("ddp", "moe-lora"), ("fsdp2_tp", "lora")]
 INTERRUPTED = {"ddp": "kill -9", "fsdp2": "kill -9", "zero1": "kill -9", "zero2": "kill -9", "zero3": "kill -9",
                "fsdp2_offload": "disk full", "zero3_offload": "disk full"}
 TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
@@ -62,12 +67,12 @@ TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
 
 def run_strategy(case: str) -> str:
     """The strategy a run of this case records (vocabulary.STRATEGIES: offload is a setting of it)."""
-    return case.removesuffix("_offload").replace("fsdp2", "fsdp")
+    return case.removesuffix("_offload").removesuffix("_tp").replace("fsdp2", "fsdp")
 
 
 def launch_command(strategy: str, *flags: str, method: str = "full", program: tuple[str, ...] = ("-m", "finetune")) -> list[str]:
     """The command a user types for `strategy` (and `method`), running `program` with RUN and `flags`."""
-    flags = (*RUN, *METHODS[method], *flags)
+    flags = (*RUN, *METHODS[method], *LAYOUT_FLAGS.get(strategy, ()), *flags)
     if CONFIGS[strategy] is None:
         return [sys.executable, *program, *flags]
     config = QLORA_CONFIGS.get(strategy) if method == "qlora" else None

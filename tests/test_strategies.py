@@ -91,9 +91,10 @@ def test_fsdp1_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="sets fsdp_version 1; finetune runs FSDP2. Set `fsdp_version: 2`"):
         resolve(TrainConfig())
     monkeypatch.setenv("FSDP_VERSION", "2")
-    assert resolve(TrainConfig())[0].strategy.name == "fsdp"
+    run = resolve(TrainConfig())[0]
+    assert run.strategy.name == "fsdp"
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
-    plugin = fsdp_plugin_from_launch()
+    plugin = fsdp_plugin_from_launch(run)
     assert plugin.fsdp_version == 2 and plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO
+from safetensors.torch import load_file
 import yaml
 
 from finetune.launch import rehearse
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 
-# name → (accelerate config, training flags); `tiny` is shrunk like any catalog model
+MOE = ["--model", "tiny-moe", "--lora-targets", "all-linear+experts"]
+# name → (accelerate config, training flags); `tiny` (or the flags' model) is shrunk like any catalog model
 REHEARSALS = {
     "single": ("single_gpu.yaml", []),
     "ddp": ("ddp.yaml", []),
@@ -33,6 +35,7 @@ REHEARSALS = {
     "fsdp": ("fsdp.yaml", []),
     "fsdp_offload": ("fsdp_offload.yaml", []),
     "fsdp_chunked_loss": ("fsdp.yaml", ["--chunked-loss"]),  # the head's gradient gathered and scattered back
+    "fsdp_tp": ("fsdp.yaml", ["--tp", "2"]),  # tensor parallel over both processes: transformers' TP plan
     "zero1": ("deepspeed_zero1.yaml", []),
     "zero2": ("deepspeed_zero2.yaml", []),
     "zero3": ("deepspeed_zero3.yaml", []),
@@ -43,14 +46,22 @@ REHEARSALS = {
     "zero2_lora": ("deepspeed_zero2.yaml", ["--method", "lora"]),  # the chunked loss under DeepSpeed
     "zero3_lora": ("deepspeed_zero3.yaml", ["--method", "lora"]),  # the model's own loss (ZeRO-3)
     "zero3_qlora": ("deepspeed_zero3.yaml", ["--method", "qlora"]),
+    # a mixture of experts (tiny-moe: Qwen3-MoE layout), its experts 4-bit and adapted (DDP: test_resume_strategies.py)
+    "fsdp_moe_qlora": ("fsdp_qlora.yaml", [*MOE, "--method", "qlora"]),
+    "zero3_moe_qlora": ("deepspeed_zero3.yaml", [*MOE, "--method", "qlora"]),  # the sparse blocks are ZeRO-3 leaves
 }
 ONE, TWO = "on cpu, 1 process(es)", "on cpu, 2 process(es)"
 STRATEGY = {"single": f"single device {ONE}", "ddp": f"DDP {TWO}", "multi_node": f"DDP {TWO}",
-            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_chunked_loss": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
+            "fsdp": f"FSDP2 {TWO}", "fsdp_offload": f"FSDP2 {TWO}", "fsdp_chunked_loss": f"FSDP2 {TWO}",
+            "fsdp_tp": f"FSDP2 {TWO}", "fsdp_lora": f"FSDP2 {TWO}",
             "fsdp_qlora": f"FSDP2 {TWO}", "zero1": f"ZeRO-1 {TWO}", "zero2": f"ZeRO-2 {TWO}",
             "zero2_offload_json": f"ZeRO-2 {TWO}", "zero3": f"ZeRO-3 {TWO}", "zero3_offload": f"ZeRO-3 {TWO}",
-            "zero2_lora": f"ZeRO-2 {TWO}", "zero3_lora": f"ZeRO-3 {TWO}", "zero3_qlora": f"ZeRO-3 {TWO}"}
-FULL_FINE_TUNING = [name for name, (_, flags) in REHEARSALS.items() if "--method" not in flags]
+            "zero2_lora": f"ZeRO-2 {TWO}", "zero3_lora": f"ZeRO-3 {TWO}", "zero3_qlora": f"ZeRO-3 {TWO}",
+            "fsdp_moe_qlora": f"FSDP2 {TWO}", "zero3_moe_qlora": f"ZeRO-3 {TWO}"}
+FULL_FINE_TUNING = [name for name, (_, flags) in REHEARSALS.items() if "--method" not in flags and "--model" not in flags]
+# adapter tensors saved: A and B of 7 linears in each of tiny's 2 blocks; of 4 attention linears and 2 fused
+# expert parameters in each of tiny-moe's
+ADAPTER_TENSORS = {"tiny": 2 * 7 * 2, "tiny-moe": 2 * (4 + 2) * 2}
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +86,19 @@ def test_shipped_config_rehearses_on_cpu(name, rehearsed):
     result = rehearsed(name)
     assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
     assert result.strategy == STRATEGY[name]
-    assert len(result.losses) == STEPS and result.losses[-1] < result.losses[0]
     run_dir = Path(result.output_dir)
-    if "--method" in REHEARSALS[name][1]:  # LoRA / QLoRA: a non-empty adapter, never an empty shell
+    flags = REHEARSALS[name][1]
+    model = flags[flags.index("--model") + 1] if "--model" in flags else "tiny"
+    assert len(result.losses) == STEPS
+    if model == "tiny":  # 3 updates of tiny-moe's adapters meet batches of different lengths: it checks the adapters
+        assert result.losses[-1] < result.losses[0]
+    if "--method" in flags:  # LoRA / QLoRA: a non-empty adapter, never an empty shell
         tensors, values = rehearse.safetensors_content(run_dir / "adapter_model.safetensors")
-        assert tensors == 2 * 7 * 2 and values > 0  # A and B for 7 linear layers in each of 2 blocks
+        assert tensors == ADAPTER_TENSORS[model] and values > 0
+    if model != "tiny":  # every LoRA B (zero at the start) moved: the experts' adapters trained on every rank's data
+        adapter = load_file(run_dir / "adapter_model.safetensors")
+        moved = {name: bool(t.abs().sum() > 0) for name, t in adapter.items() if "lora_B" in name}
+        assert moved and all(moved.values()) and any("experts" in name for name in moved), moved
     if name.startswith("zero"):
         resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
         assert (resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"],
@@ -147,6 +166,8 @@ def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and
     runs["single micro 8 × accum 1"] = retrain(launched_with(reference, "single_gpu.yaml", 1, 8), tmp_path / "a")
     runs["ddp micro 1 × accum 4"] = retrain(launched_with(reference, "ddp.yaml", 2, 1), tmp_path / "b")
     runs["zero3 micro 1 × accum 4"] = retrain(launched_with(reference, "deepspeed_zero3.yaml", 2, 1), tmp_path / "c")
+    # 4 processes: FSDP2 over 2 data-parallel ranks × tensor parallel over 2 (2 cores run it, slowly)
+    runs["fsdp × tp 2 × 2"] = retrain(launched_with(reference, "fsdp.yaml", 4, 2) + ["--tp", "2"], tmp_path / "e")
     # no launcher at all: `python -m finetune --deepspeed ...` runs a 1-process ZeRO job (ZeRO-Offload on one GPU)
     runs["no launcher, zero2_offload.json"] = retrain(
         [sys.executable, "-m", "finetune", "--config", str(Path(reference.output_dir).parent / "rehearsal.yaml"),
@@ -155,10 +176,28 @@ def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and
         assert result.lrs == reference.lrs, name
         assert result.losses == pytest.approx(reference.losses, rel=1e-6), name
     assert reference.losses[0] != reference.losses[-1]  # the model trains; equal numbers are not vacuous
+    assert_exports_as_saved(Path(runs["fsdp × tp 2 × 2"].output_dir), tmp_path / "export")
+
+
+def assert_exports_as_saved(run_dir: Path, out: Path) -> None:
+    """The run's last checkpoint, consolidated by `finetune export` into one safetensors file, loads in
+    plain transformers with the logits of the model the run saved at its end."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.export.safetensors import export
+
+    export(sorted((run_dir / "checkpoints").glob("step-*"))[-1], out)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    tokens = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(input_ids=tokens).logits
+                  for folder in (out, run_dir)]
+    assert torch.equal(*logits)
 
 
 @pytest.mark.parametrize(("chunked", "zero3"), [("fsdp_lora", "zero3_lora"), ("fsdp_qlora", "zero3_qlora"),
-                                               ("zero2_lora", "zero3_lora")])
+                                               ("zero2_lora", "zero3_lora"), ("fsdp_moe_qlora", "zero3_moe_qlora")])
 def test_adapters_train_the_same_under_fsdp2_zero2_and_zero3(chunked, zero3, rehearsed):
     """FSDP2 and ZeRO-2 run the chunked loss, ZeRO-3 the model's own: the same trajectory."""
     assert rehearsed(chunked).lrs == rehearsed(zero3).lrs

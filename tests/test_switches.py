@@ -76,6 +76,7 @@ def test_where_the_chunked_loss_runs(without_liger):
     assert switches(chunked_loss=False).loss == "transformers"
     assert switches(chunked_loss=True, strategy=ZERO3).loss == "transformers"
     assert switches(model_type="gemma2").loss == switches(model_type=None).loss == "transformers"
+    assert switches(model_type="qwen3_moe", method="qlora").loss == "finetune-chunked"  # a mixture of experts too
     assert switches(lora_targets="q_proj,lm_head").loss == "transformers"
     asked = switches(liger=True, method="full")  # asked for no logits: the chunked loss stands in
     assert asked.loss == "finetune-chunked"

@@ -20,6 +20,8 @@
 #   7. finetune doctor (KIT_STEPS=doctor)                          → $OUT/doctor.txt, doctor.json
 #   8. bench/gpu/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
 #      (forked.py)                                                 → $OUT/memory.md, memory.csv
+#   9. bench/gpu/layouts.py (KIT_STEPS=layouts, 2+ GPUs): FSDP2 + TP and FSDP2 + CP rows beside FSDP2 alone
+#      on the same GPUs; rows needing more GPUs than the machine has are listed → $OUT/layouts.md, layouts.csv
 # Knobs: KIT_STEPS (default "defaults throughput": what a lent GPU answers first; "tests doctor memory" for a
 # second command), KIT_SECONDS (total budget, default 570), KIT_DEFAULTS_SECONDS (cap for step 4, default 200),
 # KIT_TEST_SECONDS (cap for step 6, default 300), KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init
@@ -106,6 +108,12 @@ if wanted memory; then
   # shellcheck disable=SC2086
   python bench/gpu/memory.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_MEMORY_ARGS:-} \
     || echo "memory grid: exit $?"
+fi
+
+if wanted layouts; then
+  step "TP and CP layouts"
+  python bench/gpu/layouts.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) \
+    || echo "layouts: exit $?"
 fi
 
 step "done"

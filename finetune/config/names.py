@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from finetune.errors import FinetuneError
+from finetune.models.families import chunked_loss_types
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the label of a token the loss skips (prompt, padding): PyTorch's and transformers' ignore_index
@@ -181,6 +182,7 @@ def zero_strategy(stage: int, source: str) -> Strategy:
 
 
 # Architectures whose CausalLM head is a bare linear layer over the backbone's last hidden state (no
-# logit scaling, soft-capping, bias or auxiliary loss): the chunked loss (models/chunked_loss.py) is
+# logit scaling, soft-capping or bias; a load-balancing loss is added as the model adds it): the chunked loss (models/chunked_loss.py) is
 # checked against each one's own loss (tests/test_chunked_loss.py); config/switches.py decides where it runs.
-CHUNKED_LOSS_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The family table (models/families.py) says which.
+CHUNKED_LOSS_ARCHITECTURES = chunked_loss_types()

@@ -45,7 +45,9 @@ class TrainConfig:
     lora_r: int = _field(16, "LoRA rank.")
     lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = _field(0.0, "Dropout on the LoRA branch.")
-    lora_targets: str = _field("all-linear", "Modules to adapt: all-linear, or a comma list such as q_proj,v_proj.")
+    lora_targets: str = _field("all-linear", "What LoRA adapts: all-linear (attention and dense MLPs), all-linear+experts "
+                               "(and a mixture of experts' experts), or a comma list such as q_proj,v_proj "
+                               "(also lm_head; experts, experts.down_proj, router).")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     gradient_checkpointing_layers: int | None = _field(None, "With --gradient-checkpointing: recompute only the first N decoder layers; the others keep their activations (no recompute: faster, more memory). Unset: all. `finetune plan` recommends the fewest that fit.")
     liger: bool | None = _field(None, "Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy without full-vocabulary logits); unset: on for CUDA where liger-kernel is installed and imports, off on CPU. Like the chunked loss, never under ZeRO-3, with LoRA on lm_head or a quantized head.")
@@ -54,6 +56,8 @@ class TrainConfig:
     attention: str = _field("auto", "Attention kernel: sdpa, flex (packed rows as a document mask, no dense mask; GPU only, not yet measured on one), flash (needs flash-attn); auto: sdpa.", ATTENTIONS)
     trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")
     deepspeed: str | None = _field(None, "DeepSpeed JSON (e.g. ds_configs/zero3.json); its \"auto\" values are filled from this config.")
+    tp: int = _field(1, "Tensor parallelism: split every linear layer of the model over this many processes (one node's GPUs, on NVLink), which read the same rows; the world is data-parallel × tp × cp processes. Runs on FSDP2 (transformers' TP plan); an accelerate config's parallelism_config_tp_size says the same.")
+    cp: int = _field(1, "Context parallelism: split every row's tokens over this many processes, which pass keys and values around a ring (for sequences one GPU cannot hold). CUDA only; runs on FSDP2 (Accelerate's ParallelismConfig); an accelerate config's parallelism_config_cp_size says the same.")
     preflight_timeout: float = _field(300.0, "Seconds each distributed preflight check (rendezvous, all-reduce) may take before the run stops with a diagnosis.")
     # data
     dataset: str = _field("builtin", "builtin, a local JSON/JSONL/CSV/Parquet file, or a Hub dataset name.")
@@ -119,41 +123,54 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class BatchShape:
-    """micro × accumulation × world = global, resolved once for the run."""
+    """micro × accumulation × data-parallel ranks = global, resolved once for the run. The ranks of
+    one tensor- or context-parallel group (`model_parallel` of them) read the same rows."""
 
     micro_batch_size: int
     gradient_accumulation_steps: int
     world_size: int
+    model_parallel: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.model_parallel
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+
+    @property
+    def ranks_text(self) -> str:
+        """How the shape's last factor prints: "world 4", or "data-parallel 2" under TP/CP."""
+        return f"world {self.world_size}" if self.model_parallel == 1 else f"data-parallel {self.data_parallel_size}"
 
 
-def resolve_batch_shape(config: TrainConfig, world_size: int) -> BatchShape:
-    """Derive gradient accumulation (or check it) so micro × accum × world = global.
+def resolve_batch_shape(config: TrainConfig, world_size: int, model_parallel: int = 1) -> BatchShape:
+    """Derive gradient accumulation (or check it) so micro × accum × data-parallel ranks = global
+    (the world's processes, less the `model_parallel` factor of TP/CP groups that share rows).
 
     Raises ConfigError when the three given numbers do not multiply out.
     """
     micro, accum, total = config.micro_batch_size, config.gradient_accumulation_steps, config.global_batch_size
     if micro < 1:
         raise ConfigError(f"--micro-batch-size must be ≥ 1, got {micro}")
-    per_step = micro * world_size
+    shape = BatchShape(micro, 1, world_size, model_parallel)
+    per_step = micro * shape.data_parallel_size
     if total is None:
-        return BatchShape(micro, accum or 1, world_size)
+        return BatchShape(micro, accum or 1, world_size, model_parallel)
     if total % per_step:
         raise ConfigError(
-            f"--global-batch-size {total} is not a multiple of micro batch {micro} × world size "
-            f"{world_size} = {per_step}. Use e.g. --global-batch-size {max(1, round(total / per_step)) * per_step}."
+            f"--global-batch-size {total} is not a multiple of micro batch {micro} × {shape.ranks_text} "
+            f"= {per_step}. Use e.g. --global-batch-size {max(1, round(total / per_step)) * per_step}."
         )
     derived = total // per_step
     if accum is not None and accum != derived:
         raise ConfigError(
-            f"Batch sizes do not multiply out: micro {micro} × accumulation {accum} × world size "
-            f"{world_size} = {per_step * accum}, but --global-batch-size is {total}. "
+            f"Batch sizes do not multiply out: micro {micro} × accumulation {accum} × {shape.ranks_text} "
+            f"= {per_step * accum}, but --global-batch-size is {total}. "
             f"Drop one of the flags or use --gradient-accumulation-steps {derived}."
         )
-    return BatchShape(micro, derived, world_size)
+    return BatchShape(micro, derived, world_size, model_parallel)
 
 
 # Usual peak LRs at global batch ~16 for 7B-class models: full fine-tuning moves every weight, so it
@@ -192,7 +209,7 @@ def validate(config: TrainConfig) -> None:
         value = getattr(config, f.name)
         if choices and value not in choices:
             problems.append(f"--{_flag(f.name)} {value!r} is not one of {', '.join(choices)}")
-    positive = ("lora_r", "lora_alpha", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size")
+    positive = ("lora_r", "lora_alpha", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size", "tp", "cp")
     for name in positive:
         if getattr(config, name) < 1:
             problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")

@@ -20,6 +20,7 @@ from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
+from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
                                    zero_strategy)
@@ -44,6 +45,7 @@ class Launch:
     deepspeed_zero_stage: int | None = None  # the accelerate config's own zero_stage, if it sets one
     mixed_precision: str | None = None  # the accelerate config's bf16 | fp16; None when unset or "no"
     rank: int = 0
+    parallelism: Asked = Asked()  # the accelerate config's parallelism_config sizes, if it has that section
 
     @property
     def gpus_per_node(self) -> int:
@@ -73,6 +75,9 @@ class Launch:
             deepspeed_zero_stage=int(environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"]) if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in environ else None,
             mixed_precision=None if mixed == "no" else mixed,
             rank=int(environ.get("RANK", "0")),
+            parallelism=Asked(**{name: int(environ[f"PARALLELISM_CONFIG_{name.upper()}_SIZE"]) for name in PARALLEL_SIZES
+                                 if f"PARALLELISM_CONFIG_{name.upper()}_SIZE" in environ})
+            if flag("ACCELERATE_USE_PARALLELISM_CONFIG") else Asked(),
         )
 
     @classmethod
@@ -82,6 +87,7 @@ class Launch:
         settings = read_accelerate_config(path) if path else {}
         kind = str(settings.get("distributed_type", "MULTI_GPU")).upper()
         fsdp, deepspeed = settings.get("fsdp_config") or {}, settings.get("deepspeed_config") or {}
+        sizes = settings.get("parallelism_config") or {}
         mixed = str(settings.get("mixed_precision") or "no")
         return cls(
             world_size=num_processes,
@@ -94,12 +100,18 @@ class Launch:
             deepspeed_config_file=deepspeed.get("deepspeed_config_file"),
             deepspeed_zero_stage=deepspeed.get("zero_stage"),
             mixed_precision=None if mixed == "no" else mixed,
+            parallelism=Asked(**{name: sizes[f"parallelism_config_{name}_size"] for name in PARALLEL_SIZES
+                                 if f"parallelism_config_{name}_size" in sizes}),
         )
 
 
+# the ParallelismConfig sizes finetune reads, as `accelerate launch` passes them (PARALLELISM_CONFIG_TP_SIZE)
+# and an accelerate config writes them (parallelism_config: {parallelism_config_tp_size: 2})
+PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp")
 # settings of an accelerate config that are counts; Accelerate's loader leaves their types unchecked
 ACCELERATE_INTEGERS = ("num_processes", "num_machines", "machine_rank", "fsdp_config.fsdp_version",
-                       "deepspeed_config.zero_stage")
+                       "deepspeed_config.zero_stage",
+                       *(f"parallelism_config.parallelism_config_{name}_size" for name in PARALLEL_SIZES))
 
 
 def read_accelerate_config(path: str | Path) -> dict:
@@ -165,6 +177,7 @@ class ResolvedRun:
     offload: str  # none | optimizer | params
     launch: Launch
     deepspeed: DeepSpeedSetup | None
+    parallelism: Parallelism = Parallelism()  # data-parallel × tp × cp = the launch's processes
     max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
     given: frozenset[str] = EVERY_OPTION  # the options the user set (flags, YAML); the rest are defaults
     cuda: bool = False  # trains on a GPU (`--dry-run --gpu NAME`: as on that GPU)
@@ -180,7 +193,7 @@ class ResolvedRun:
         return resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=self.cuda,
                                 strategy=self.strategy, model_type=self.spec.model_type if self.spec is not None else None,
-                                head_problem=head_problem)
+                                head_problem=head_problem, tp=config.tp, cp=config.cp)
 
     def with_max_steps(self, max_steps: int) -> ResolvedRun:
         return replace(self, max_steps=max_steps)
@@ -202,7 +215,10 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     config = with_adopted(config, adopted, written)
     model = model_source.model_source(config.model, config.output_dir)
     spec = model.spec
-    batch = resolve_batch_shape(config, launch.world_size)
+    flags = Asked(tp=config.tp if config.tp > 1 else None, cp=config.cp if config.cp > 1 else None)
+    parallelism = resolve_parallelism(flags, launch.parallelism, launch.world_size)
+    config = replace(config, tp=parallelism.tp, cp=parallelism.cp)  # as laid out, whichever way it was asked
+    batch = resolve_batch_shape(config, launch.world_size, parallelism.model_parallel)
     family = launch.mixed_precision or (None if written is None else deepspeed_json.precision_family(written.config))
     precision = resolve_precision(config.precision, config.method, device, family)
     peak_lr = scaled_lr(config, batch.global_batch_size)
@@ -225,6 +241,8 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
                 "Set `fsdp_version: 2` under fsdp_config (see accelerate_configs/fsdp.yaml)."
             )
         strategy, offload = STRATEGIES["fsdp"], "params" if launch.fsdp_offload_params else "none"
+    elif parallelism.model_parallel > 1:  # TP and CP compose with FSDP2 only: it shards over the data-parallel ranks
+        strategy, offload = STRATEGIES["fsdp"], "none"
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy, offload)
@@ -232,8 +250,15 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
+    problems = parallelism_problems(parallelism, spec=spec, method=config.method, lora_targets=config.lora_target_modules,
+                                    deepspeed=strategy.deepspeed, offload=offload, cuda=device.cuda,
+                                    max_seq_len=config.max_seq_len,
+                                    packing=config.packing, attention=config.attention)
+    if problems:
+        raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
     return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
-                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, given=given, cuda=device.cuda)
+                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, parallelism=parallelism,
+                       given=given, cuda=device.cuda)
 
 
 def check_attention(attention: str, device: Device) -> None:

@@ -43,21 +43,23 @@ class Switches:
 
 def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer: str, method: str, lora_targets: str,
                      cuda: bool, strategy: Strategy, model_type: str | None, head_problem: str | None = None,
-                     assume_liger: bool = False) -> Switches:
+                     assume_liger: bool = False, tp: int = 1, cp: int = 1) -> Switches:
     """The run's loss and optimizer kernel. `liger` / `chunked_loss`: the flags (None: unset);
     `head_problem`: what the loaded LM head rules out (models.chunked_loss.head_problem; None
     before loading, as in a plan). `assume_liger`: `finetune plan`, planning for another machine,
-    takes an asked-for Liger that is not installed here to be installed there.
+    takes an asked-for Liger that is not installed here to be installed there. `tp`, `cp`: the
+    run's tensor- and context-parallel sizes (config/parallelism.py).
 
     Liger, unset: on where it can run (a CUDA device, liger-kernel installed and importable, the
     architecture covered), like TRL's `use_liger_kernel`. Where Liger is wanted but cannot run, one
     note says why, and a `--liger` that asked for no logits gets the chunked loss instead. The
     chunked loss, unset: on for LoRA and QLoRA (`chunked_loss_wanted`) where nothing blocks it."""
     notes = []
-    blocked = head_read_blocked(strategy, method, lora_targets, head_problem)
+    blocked = head_read_blocked(strategy, method, lora_targets, head_problem, tp)
     liger_on = liger if liger is not None else cuda and liger_installed()
     if liger_on:
-        why = (None if assume_liger and not liger_installed() else liger_problem(cuda, model_type)) or blocked
+        why = ((None if assume_liger and not liger_installed() else liger_problem(cuda, model_type)) or blocked
+               or (CP_LABELS if cp > 1 else None))
         if why:
             notes.append(f"running without Liger ({why})")
             liger_on = False
@@ -71,9 +73,17 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
     return Switches(loss=loss, fused_adamw=fused_adamw(optimizer, cuda, strategy), notes=tuple(notes))
 
 
-def head_read_blocked(strategy: Strategy, method: str, lora_targets: str, head_problem: str | None = None) -> str | None:
+# Liger under context parallelism: each rank's slice of a row comes with its labels shifted already,
+# which finetune's chunked loss reads (models/chunked_loss.py) and Liger's loss is not checked with
+CP_LABELS = "context parallelism hands each rank a slice of every row, with its labels shifted already"
+
+
+def head_read_blocked(strategy: Strategy, method: str, lora_targets: str, head_problem: str | None = None,
+                      tp: int = 1) -> str | None:
     """Why no loss may read the LM head's weight outside the head's own forward (Liger's fused
     linear cross-entropy and finetune's chunked loss both do) in such a run, or None."""
+    if tp > 1:  # each rank holds a slice of the vocabulary's rows; the head's own forward gathers the logits
+        return "tensor parallelism splits the LM head's weight by vocabulary rows"
     if strategy.zero_stage == 3:  # outside the head's forward its weight is a 0-element placeholder (trl#5891)
         return "ZeRO-3 gathers the LM head's weight only inside the head's own forward"
     if method != "full" and "lm_head" in lora_targets.split(","):  # the adapter would never train

@@ -23,14 +23,17 @@ class Collator:
     not pad: loop.greedy_completions answers one prompt at a time), and serves packed rows too.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, context_parallel: int = 1):
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_token_id is None:
             raise FinetuneError("The tokenizer has neither a pad nor an EOS token to pad batches with.")
         self.pad_token_id = pad_token_id  # any id works: padding is never attended to nor learnt
+        self.context_parallel = context_parallel
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
+        if self.context_parallel > 1:  # 2 chunks per rank of each row (ring attention's load balance)
+            width = -(-width // (2 * self.context_parallel)) * 2 * self.context_parallel
         padding = [width - len(row["input_ids"]) for row in rows]
         batch = {
             "input_ids": [row["input_ids"] + [self.pad_token_id] * pad for row, pad in zip(rows, padding)],
@@ -38,6 +41,18 @@ class Collator:
         }
         if "position_ids" in rows[0]:
             batch["position_ids"] = [row["position_ids"] + list(range(pad)) for row, pad in zip(rows, padding)]
+        elif self.context_parallel > 1:
+            sequence_sharded(batch, width)
         else:
             batch["attention_mask"] = [[1] * len(row["input_ids"]) + [0] * pad for row, pad in zip(rows, padding)]
         return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def sequence_sharded(batch: dict, width: int) -> None:
+    """What a context-parallel forward needs besides the ids: ring attention applies the causal mask
+    alone, which is exact for right-padded rows (no token before the padding attends to it), so no
+    attention mask; positions, since each rank holds a slice of every row; and labels shifted
+    already (`shift_labels`), since shifting inside a slice would pair a slice's last token with
+    nothing."""
+    batch["position_ids"] = [list(range(width)) for _ in batch["input_ids"]]
+    batch["shift_labels"] = [labels[1:] + [IGNORE_INDEX] for labels in batch["labels"]]

@@ -26,10 +26,12 @@ import torch
 from finetune.errors import GgufExportError
 from finetune.export.card import write_model_card
 from finetune.export.safetensors import export, find_trained, new_out_dir
+from finetune.models import families
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
-# transformers model_type → llama.cpp architecture; Mistral is written as Llama, as llama.cpp does
-ARCHITECTURES = {"llama": "llama", "mistral": "llama"}
+# transformers model_type → llama.cpp architecture, for the families this writer writes (models/families.py);
+# Mistral is written as Llama, as llama.cpp does
+ARCHITECTURES = {t: f.llama_cpp for t, f in families.FAMILIES.items() if f.gguf_writer}
 # tokenizers' pre-tokenizer layouts → llama.cpp's name for the same text split (llama-vocab.cpp)
 PRE_TOKENIZERS = {("ByteLevel",): "gpt-2", ("Digits", "ByteLevel"): "smollm"}
 
@@ -77,7 +79,10 @@ def check_gguf_support(config: dict, tokenizer_file: Path | None) -> None:
     problems = []
     model_type = config.get("model_type")
     if config and model_type not in ARCHITECTURES:
-        problems.append(f"architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
+        known = families.family(model_type or "")
+        converter = (f"; llama.cpp's convert_hf_to_gguf.py writes it as {known.llama_cpp!r} from a safetensors export"
+                     if known is not None and known.llama_cpp else "")
+        problems.append(f"architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)}{converter})")
     if (config.get("rope_scaling") or {}).get("rope_type", "default") != "default":
         problems.append(f"rope scaling {config['rope_scaling']} (supported: none)")
     if tokenizer_file is None or not tokenizer_file.is_file():

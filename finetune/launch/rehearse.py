@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 from finetune.config import deepspeed_json
-from finetune.models import catalog
+from finetune.models import families
 from finetune.plan import gpus
 from finetune.config.options import EVERY_OPTION, TrainConfig, base_lr, parse_command, resolve_batch_shape, save_yaml, scaled_lr
 from finetune.errors import FinetuneError
@@ -81,7 +81,7 @@ class Rehearsal:
 
 
 def shrunk_model_config(config: TrainConfig):
-    """The model's own Hugging Face config shrunk (`catalog.shrink`) to SHRUNK_LAYERS layers of width
+    """The model's own Hugging Face config shrunk (`families.shrink`) to SHRUNK_LAYERS layers of width
     SHRUNK_HIDDEN, and the builtin tokenizer it is paired with.
 
     Raises FinetuneError when the config cannot be read (an uncached Hub id offline) or is not a
@@ -103,16 +103,17 @@ def shrunk_model_config(config: TrainConfig):
     except OSError as e:
         raise FinetuneError(f"rehearse: cannot read the config of '{source}' ({str(e).splitlines()[0]}); "
                             "pass a catalog name or a local model directory") from e
-    missing = [name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if name not in original]
+    language = families.language_config(original)
+    missing = [name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if name not in language]
     if missing:
         raise FinetuneError(f"rehearse: the config of '{source}' has no {', '.join(missing)}; "
                             "only decoder configs with the usual size fields can be shrunk")
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)
-    shrunk = catalog.shrink(original, SHRUNK_LAYERS, SHRUNK_HIDDEN) | {
+    shrunk = families.shrink(original, SHRUNK_LAYERS, SHRUNK_HIDDEN, overrides={
         "max_position_embeddings": SHRUNK_POSITIONS, "vocab_size": REHEARSAL_VOCAB,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
-    }
+    })
     return AutoConfig.for_model(**shrunk), tokenizer
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from finetune.errors import UnknownModelError
+from finetune.models import families
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     head_dim: int | None = None  # None → hidden_size // num_heads
-    attention_bias: bool = False  # Qwen2 has biases on q, k, v projections
+    attention_bias: bool = False  # biases on q, k, v (Qwen2 always; Llama-like families when config.json says so)
+    o_proj_bias: bool = False  # a bias on o_proj too (config.json's attention_bias, outside Qwen2 and Mistral)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     source: str = ""
@@ -46,6 +48,35 @@ class ModelSpec:
     gguf_file: str | None = None
     gguf_package: str | None = None
     converted_from: str | None = None  # the Hub repo a GGUF's weights came from: the model card's base_model
+    # Mixture of experts (num_experts 0: a dense model); see models/families.py for each family's layout
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k: the experts each token's hidden state goes through
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # the shared experts together (Qwen2-MoE, DeepSeek): every token
+    dense_layers: int = 0  # decoder layers with a dense MLP (intermediate_size) instead of experts
+    router_aux_loss: bool = False  # config's output_router_logits: the load-balancing loss is added to the loss
+    # DeepSeek's multi-head latent attention (kv_lora_rank 0: ordinary attention)
+    q_lora_rank: int = 0  # 0: one q_proj
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    tower_params: int = 0  # parameters outside the language model: Gemma 3's vision tower and projector
+    quantized: str | None = None  # the published weights' quantization ("mxfp4": gpt-oss), loaded dequantized
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def family(self) -> families.Family:
+        """The family's entry; the Llama layout for shapes outside the table (calibration variants)."""
+        return families.family(self.model_type) or families.FAMILIES["llama"]
+
+    @property
+    def moe_layers(self) -> int:
+        """Decoder layers that hold experts."""
+        return self.num_layers - self.dense_layers if self.moe else 0
 
     @property
     def random_init(self) -> bool:
@@ -57,7 +88,8 @@ class ModelSpec:
         return self.head_dim or self.hidden_size // self.num_heads
 
     def to_hf_config_dict(self) -> dict:
-        """The config.json fields transformers needs to build this architecture."""
+        """The config.json fields transformers needs to build this architecture (Gemma 3: the
+        language model under text_config, beside the vision tower it ships with)."""
         config = {
             "model_type": self.model_type,
             "num_hidden_layers": self.num_layers,
@@ -68,14 +100,14 @@ class ModelSpec:
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "head_dim": self.resolved_head_dim,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "hidden_act": "silu",
         }
-        if self.model_type == "llama":
-            config["attention_bias"] = self.attention_bias
-        return config
+        if not self.family.mla:
+            config["head_dim"] = self.resolved_head_dim
+        config |= families.config_fields(asdict(self))
+        return families.nest(config, families.GEMMA3_VISION if self.tower_params else None)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +119,13 @@ _CATALOG: tuple[ModelSpec, ...] = (
         num_kv_heads=2, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
         max_position_embeddings=512, default_lr=1e-3, default_epochs=4,
         source="finetune's own CPU demo model; vocab matches finetune/data/builtin/tokenizer.json",
+    ),
+    ModelSpec(
+        name="tiny-moe", hf_id=None, model_type="qwen3_moe", num_layers=4, hidden_size=128, num_heads=4,
+        num_kv_heads=2, head_dim=32, intermediate_size=384, vocab_size=128, tie_word_embeddings=True,
+        max_position_embeddings=512, num_experts=8, experts_per_token=2, expert_intermediate_size=64,
+        default_lr=1e-3, default_epochs=4,
+        source="finetune's own CPU demo of a mixture of experts (Qwen3-MoE layout); vocab matches the builtin tokenizer",
     ),
     ModelSpec(
         name="smollm2-135m", hf_id=None, model_type="llama", num_layers=30, hidden_size=576, num_heads=9,
@@ -152,6 +191,75 @@ _CATALOG: tuple[ModelSpec, ...] = (
         source="Qwen/Qwen2.5-7B/config.json",
     ),
     ModelSpec(
+        name="llama-3.3-70b", hf_id="meta-llama/Llama-3.3-70B-Instruct", model_type="llama", num_layers=80,
+        hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=28672, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0,
+        source="meta-llama/Llama-3.3-70B-Instruct/config.json",
+    ),
+    ModelSpec(
+        name="qwen3-8b", hf_id="Qwen/Qwen3-8B", model_type="qwen3", num_layers=36, hidden_size=4096, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        source="Qwen/Qwen3-8B/config.json",
+    ),
+    ModelSpec(
+        name="gemma-3-12b", hf_id="google/gemma-3-12b-pt", model_type="gemma3", num_layers=48, hidden_size=3840,
+        num_heads=16, num_kv_heads=8, head_dim=256, intermediate_size=15360, vocab_size=262208, tie_word_embeddings=True,
+        max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, norms_per_layer=4,
+        tower_params=families.tower_params({"vision_config": families.GEMMA3_VISION}, 3840),
+        source="google/gemma-3-12b-pt/config.json (text_config; vision_config: SigLIP So400m, 896 px)",
+    ),
+    # mixtures of experts: every expert resident, experts_per_token of them per token
+    ModelSpec(
+        name="mixtral-8x7b", hf_id="mistralai/Mixtral-8x7B-v0.1", model_type="mixtral", num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, num_experts=8, experts_per_token=2,
+        expert_intermediate_size=14336,
+        source="mistralai/Mixtral-8x7B-v0.1/config.json (MixtralConfig's defaults are the same model)",
+    ),
+    ModelSpec(
+        name="qwen3-30b-a3b", hf_id="Qwen/Qwen3-30B-A3B", model_type="qwen3_moe", num_layers=48, hidden_size=2048,
+        num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=768,
+        source="Qwen/Qwen3-30B-A3B/config.json (Qwen3MoeConfig's defaults are the same widths, 24 layers)",
+    ),
+    ModelSpec(
+        name="qwen3-235b-a22b", hf_id="Qwen/Qwen3-235B-A22B", model_type="qwen3_moe", num_layers=94, hidden_size=4096,
+        num_heads=64, num_kv_heads=4, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=1536,
+        source="Qwen/Qwen3-235B-A22B/config.json",
+    ),
+    ModelSpec(
+        name="gpt-oss-20b", hf_id="openai/gpt-oss-20b", model_type="gpt_oss", num_layers=24, hidden_size=2880,
+        num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=131072, attention_bias=True, o_proj_bias=True, rope_theta=150000.0, num_experts=32,
+        experts_per_token=4, expert_intermediate_size=2880, quantized="mxfp4",
+        source="openai/gpt-oss-20b/config.json (experts published in MXFP4; GptOssConfig's defaults are gpt-oss-120b)",
+    ),
+    ModelSpec(
+        name="gpt-oss-120b", hf_id="openai/gpt-oss-120b", model_type="gpt_oss", num_layers=36, hidden_size=2880,
+        num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=131072, attention_bias=True, o_proj_bias=True, rope_theta=150000.0, num_experts=128,
+        experts_per_token=4, expert_intermediate_size=2880, quantized="mxfp4",
+        source="openai/gpt-oss-120b/config.json (experts published in MXFP4)",
+    ),
+    ModelSpec(
+        name="olmoe-1b-7b", hf_id="allenai/OLMoE-1B-7B-0924", model_type="olmoe", num_layers=16, hidden_size=2048,
+        num_heads=16, num_kv_heads=16, intermediate_size=1024, vocab_size=50304, tie_word_embeddings=False,
+        max_position_embeddings=4096, num_experts=64, experts_per_token=8, expert_intermediate_size=1024,
+        source="allenai/OLMoE-1B-7B-0924/config.json",
+    ),
+    ModelSpec(
+        name="deepseek-v2-lite", hf_id="deepseek-ai/DeepSeek-V2-Lite", model_type="deepseek_v2", num_layers=27,
+        hidden_size=2048, num_heads=16, num_kv_heads=16, intermediate_size=10944, vocab_size=102400,
+        tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6, num_experts=64,
+        experts_per_token=6, expert_intermediate_size=1408, shared_expert_intermediate_size=2 * 1408, dense_layers=1,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        source="deepseek-ai/DeepSeek-V2-Lite/config.json (2 shared experts, first layer dense, latent attention)",
+    ),
+    ModelSpec(
         name="qwen2.5-72b", hf_id="Qwen/Qwen2.5-72B", model_type="qwen2", num_layers=80,
         hidden_size=8192, num_heads=64, num_kv_heads=8, intermediate_size=29568, vocab_size=152064,
         tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
@@ -167,6 +275,9 @@ ALIASES: dict[str, str] = {
     "llama-70b": "llama-2-70b",
     "mistral-7b-v0.1": "mistral-7b",
     "smollm2-135m-instruct": "smollm2-135m",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "gemma-3-12b-pt": "gemma-3-12b",
+    "olmoe-1b-7b-0924": "olmoe-1b-7b",
 }
 
 
@@ -245,21 +356,3 @@ def read_local_config(path: Path, accepted: str) -> dict:
             f"--model {path}: {file.name} is not a model config.json (no \"model_type\"). Expected {accepted}."
         )
     return config
-
-
-def shrink(config: dict, layers: int, hidden: int, heads: int = 4) -> dict:
-    """A Hugging Face config dict of the same architecture, made tiny: `layers` decoder layers of width
-    `hidden`, `heads` query heads of hidden / heads each, an MLP twice as wide, and the same multi-head
-    or grouped-query ratio (at least one key/value head). Per-layer lists (Qwen2's `layer_types`) keep
-    their first layers; every other field (model type, biases, rope, vocabulary) stays.
-
-    Rehearsals and tests shrink real entries this way, so the same classes, FSDP wrap policies and
-    LoRA targets run on a CPU in seconds.
-    """
-    original_layers, original_heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or original_heads
-    shrunk = {key: value[:layers] if isinstance(value, list) and len(value) == original_layers else value
-              for key, value in config.items()}
-    return shrunk | {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-                     "num_attention_heads": heads, "head_dim": hidden // heads,
-                     "num_key_value_heads": max(1, heads * kv_heads // original_heads)}

@@ -11,17 +11,19 @@ Liger's fused linear cross-entropy do the same; this one is plain torch, so it a
 wherever Liger is not installed.
 
 `install` patches the instance's forward: called with `labels`, it runs the backbone and returns
-the loss (no logits); without labels (evaluation, generation) it is the model's own forward.
+the loss (no logits), plus a mixture of experts' load-balancing loss where its config turns that on,
+as the model's own forward adds it; without labels (evaluation, generation) it is the model's own forward.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from finetune.config.names import IGNORE_INDEX
 from finetune.plan.memory import chunk_tokens
@@ -44,29 +46,43 @@ def install(model: torch.nn.Module) -> None:
     own_forward = model.forward
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
-    def forward(*args, labels=None, num_items_in_batch=None, **kwargs):
+    def forward(*args, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if labels is None:
             extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
             return own_forward(*args, **kwargs, **extra)
         backbone = getattr(model, model.base_model_prefix)(*args, **kwargs)
         loss = chunked_cross_entropy(backbone.last_hidden_state, model.get_output_embeddings().weight, labels,
-                                     num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss)
+                                     num_items_in_batch, shift_labels)
+        aux = router_loss(model, backbone, kwargs.get("attention_mask"))
+        return MoeCausalLMOutputWithPast(loss=loss if aux is None else loss + model.router_aux_loss_coef * aux, aux_loss=aux)
 
     model.forward = forward
 
 
+def router_loss(model: torch.nn.Module, backbone, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The load-balancing loss a mixture of experts' CausalLM adds when its config sets
+    output_router_logits (the backbone then returns the router logits): the model module's own
+    function, called as the model's forward calls it. None for other models."""
+    router_logits = getattr(backbone, "router_logits", None)
+    if not router_logits:
+        return None
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    return balance(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                          num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-    """What transformers' causal-LM loss gives for `head(hidden)` and `labels` (shifted by one,
-    IGNORE_INDEX skipped; the sum over `num_items_in_batch` when given, else the mean), with the
-    head computed in the dtype the model's own forward would use (autocast's, else the weight's).
+                          num_items_in_batch: torch.Tensor | int | None = None,
+                          shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """What transformers' causal-LM loss gives for `head(hidden)` and `labels` (shifted by one, or
+    `shift_labels` as given: a context-parallel rank's slice of each row comes with them; IGNORE_INDEX
+    skipped; the sum over `num_items_in_batch` when given, else the mean), with the head computed in
+    the dtype the model's own forward would use (autocast's, else the weight's).
 
     Only the positions with a target go through the head: prompts and padding cost nothing (under
     SFT's answer-only loss that is often most of a batch)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
-    inputs, targets = with_targets(hidden, labels)
+    inputs, targets = with_targets(hidden, labels) if shift_labels is None else with_targets(hidden, shift_labels, shift=0)
     inputs = inputs.to(dtype)
     if isinstance(head_weight, DTensor):  # FSDP2 between its root's gathers: gather it (its gradient is scattered back)
         head_weight = head_weight.full_tensor()
@@ -77,13 +93,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, label
     return total / (num_items_in_batch if num_items_in_batch is not None else len(targets))
 
 
-def with_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden states that predict a target, and those targets, as flat rows."""
+def with_targets(hidden: torch.Tensor, labels: torch.Tensor, shift: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states that predict a target, and those targets, as flat rows: position i predicts
+    labels[i + shift] (1: the labels of the inputs; 0: labels shifted already)."""
+    width = labels.size(1) - shift
     if is_fake(labels):  # `plan --simulate` runs on fake tensors, which cannot count targets; its labels are all targets
-        return hidden[:, :-1].reshape(-1, hidden.size(-1)), labels[:, 1:].reshape(-1)
-    rows, positions = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+        return hidden[:, :width].reshape(-1, hidden.size(-1)), labels[:, shift:].reshape(-1)
+    rows, positions = (labels[:, shift:] != IGNORE_INDEX).nonzero(as_tuple=True)
     flat = hidden.reshape(-1, hidden.size(-1))
-    return flat.index_select(0, rows * hidden.size(1) + positions), labels[rows, positions + 1]
+    return flat.index_select(0, rows * hidden.size(1) + positions), labels[rows, positions + shift]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -10,7 +10,6 @@ Hugging Face folder (see gguf_import) and load from there like any local model.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import socket
@@ -25,6 +24,7 @@ from finetune.models import gguf_import
 from finetune.models import source as model_source
 from finetune.models import catalog
 from finetune.models import chunked_loss
+from finetune.models import families
 from finetune.config.options import TrainConfig
 from finetune.errors import FinetuneError
 from finetune.config.resolve import ResolvedRun
@@ -105,18 +105,76 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
     Accelerate's rank-0 / zero.Init paths instead).
     """
     kwargs = model_kwargs(run)
-    if device.type == "cuda" and not run.strategy.shards_weights:
+    if run.parallelism.tp > 1:
+        kwargs["distributed_config"] = tensor_parallel_layout(run)
+    elif device.type == "cuda" and not run.strategy.shards_weights:
         kwargs["device_map"] = {"": device}
-    model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation="sdpa",
+    attention = families.attention_implementation(run.spec.model_type if run.spec is not None else "")
+    model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation=attention,
                              trust_remote_code=run.config.trust_remote_code, **kwargs)
-    return prepare_for_training(model, run.config)
+    if run.strategy.zero_stage == 3:
+        mark_zero3_leaves(model)
+    model = prepare_for_training(model, run.config)
+    if run.parallelism.tp > 1:
+        shard_what_transformers_left(model, run)
+    return model
+
+
+def tensor_parallel_layout(run: ResolvedRun):
+    """transformers' own layout of a --tp run (train/parallel.py says why it, not Accelerate): the
+    model's TP plan over each group of `tp` consecutive ranks, then FSDP2 over the data-parallel
+    ranks, weights loaded straight into their shards. Under bf16-mixed FSDP2 gathers bf16 copies of
+    the fp32 weights, as Accelerate's FSDP2 mixed precision does."""
+    from transformers.distributed import DistributedConfig
+
+    p = run.parallelism
+    return DistributedConfig(tp_size=p.tp, fsdp_size=p.dp_shard, dp_replicate_size=p.dp_replicate,
+                             fsdp_mixed_precision=run.precision.name == "bf16-mixed")
+
+
+def shard_what_transformers_left(model: torch.nn.Module, run: ResolvedRun) -> None:
+    """Make the outermost module an FSDP2 unit over the data-parallel ranks, if transformers did not:
+    with TP alone (its FSDP runs only over 2 or more ranks), and around LoRA adapters, added after
+    it loaded. Accelerate then leaves the layout as it is, and saves it as sharded checkpoints."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if run.precision.name == "bf16-mixed" else MixedPrecisionPolicy()
+    fully_shard(model, mesh=base._device_mesh["fsdp"], mp_policy=policy)
+
+
+def mark_zero3_leaves(model: torch.nn.Module) -> None:
+    """Make each sparse mixture-of-experts block one ZeRO-3 unit: its experts are gathered whole, so
+    every rank joins the same all-gathers whichever experts its tokens were routed to."""
+    fam = families.family(model.config.model_type)
+    if fam is None or fam.experts is None:
+        return
+    from deepspeed.utils import set_z3_leaf_modules
+
+    blocks = {type(m) for m in model.modules() if type(m).__name__ == fam.experts.block}
+    if blocks:
+        set_z3_leaf_modules(model, list(blocks))
 
 
 def model_kwargs(run: ResolvedRun) -> dict:
-    """`from_pretrained` dtype and quantization for the run's method and precision."""
+    """`from_pretrained` dtype and quantization for the run's method and precision. Weights published
+    in MXFP4 (gpt-oss) load dequantized to the run's dtype, for LoRA and full fine-tuning: QLoRA
+    would need a second quantizer on top, so it asks for a 16-bit copy instead."""
     kwargs: dict = {"dtype": getattr(torch, run.precision.weights)}
+    if run.spec is not None and run.spec.quantized == "mxfp4":
+        if run.config.method == "qlora":
+            raise FinetuneError(f"--method qlora: {run.spec.name}'s published weights are MXFP4; QLoRA quantizes "
+                                "16-bit weights to NF4. Use --method lora (finetune loads MXFP4 dequantized to bf16), "
+                                "or pass a bf16 copy of the model as --model.")
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if run.config.method == "qlora":
-        kwargs["quantization_config"] = nf4_config(getattr(torch, run.precision.compute))
+        fam = families.family(run.spec.model_type) if run.spec is not None else None
+        kwargs["quantization_config"] = nf4_config(getattr(torch, run.precision.compute), fam)
     return kwargs
 
 
@@ -134,6 +192,11 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         keep_activations_after(model, config.gradient_checkpointing_layers)
+    fam = families.family(model.config.model_type)
+    if config.method == "full" and fam is not None:  # text fine-tuning: a vision tower stays as published
+        for name, param in model.named_parameters():
+            if set(name.split(".")) & set(fam.tower):
+                param.requires_grad_(False)
     if config.method in ("lora", "qlora"):
         model = _add_lora(model, config)
     # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
@@ -165,8 +228,9 @@ def build_skeleton(run: ResolvedRun):
                  else AutoConfig.from_pretrained(run.source, trust_remote_code=run.config.trust_remote_code))
     kwargs = model_kwargs(run)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"], attn_implementation="sdpa")
-    if "quantization_config" in kwargs:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"],
+                                                 attn_implementation=families.attention_implementation(hf_config.model_type))
+    if run.config.method == "qlora":
         from bitsandbytes.functional import quantize_4bit
         from transformers.quantizers import AutoHfQuantizer
 
@@ -175,6 +239,10 @@ def build_skeleton(run: ResolvedRun):
         # bitsandbytes builds its code tables from real values on first use: once, outside fake mode
         quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
     model = prepare_for_training(model, run.config)
+    if getattr(kwargs.get("quantization_config"), "quant_method", None) == "finetune_nf4_experts":
+        from finetune.models import experts_4bit
+
+        experts_4bit.mark_for_skeleton(model, kwargs["quantization_config"])  # packed as loading packs them
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if run.switches(chunked_loss.head_problem(base)).chunked_loss:  # as train.speedups installs it
         chunked_loss.install(base)
@@ -193,15 +261,16 @@ def give_fake_storage(model: torch.nn.Module) -> None:
              for table, is_param in ((module._parameters, True), (module._buffers, False))
              for name, tensor in table.items() if tensor is not None]
     fakes: dict[int, torch.Tensor] = {}
-    quantized: dict[tuple, dict[str, torch.Tensor]] = {}  # one quantization per distinct weight shape
+    quantized: dict[tuple, tuple] = {}  # one quantization per distinct weight shape
     for module, table, is_param, name, tensor in slots:
         if type(tensor).__name__ == "Params4bit":
             key = (tuple(tensor.shape), tensor.dtype, tensor.blocksize, tensor.compress_statistics,
                    tensor.quant_type, tensor.quant_storage)
             if key not in quantized:
                 quantized[key] = _quantized_4bit(tensor)
-            pieces = {piece: torch.empty_like(value) for piece, value in quantized[key].items()}
+            pieces = {piece: torch.empty_like(value) for piece, value in quantized[key][0].items()}
             table[name] = torch.nn.Parameter(pieces.pop("packed"), requires_grad=False)
+            table[name].quant_state = quantized[key][1]  # its logical shape, for parameter counts
             for piece, value in pieces.items():
                 module.register_buffer(f"{name}_{piece}", value, persistent=False)
             continue
@@ -211,9 +280,9 @@ def give_fake_storage(model: torch.nn.Module) -> None:
         table[name] = fakes[id(tensor)]
 
 
-def _quantized_4bit(weight) -> dict[str, torch.Tensor]:
+def _quantized_4bit(weight) -> tuple[dict[str, torch.Tensor], object]:
     """The tensors bitsandbytes allocates when it quantizes `weight` as Params4bit does: the packed
-    weight and its quantization state."""
+    weight and the pieces of its quantization state; and that QuantState."""
     from bitsandbytes.functional import quantize_4bit
 
     packed, state = quantize_4bit(torch.empty(weight.shape, dtype=weight.dtype), blocksize=weight.blocksize,
@@ -222,7 +291,7 @@ def _quantized_4bit(weight) -> dict[str, torch.Tensor]:
     pieces = {"packed": packed, "absmax": state.absmax, "code": state.code}
     if state.nested:
         pieces |= {"offset": state.offset, "nested_absmax": state.state2.absmax, "nested_code": state.state2.code}
-    return pieces
+    return pieces, state
 
 
 def check_packing_support(model: torch.nn.Module) -> None:
@@ -237,37 +306,77 @@ def check_packing_support(model: torch.nn.Module) -> None:
         )
 
 
-def nf4_config(compute_dtype: torch.dtype):
+def nf4_config(compute_dtype: torch.dtype, fam: families.Family | None = None):
+    """QLoRA's NF4 settings; for a mixture of experts the config whose quantizer packs the fused experts
+    too (models/experts_4bit.py), and a vision tower (with the LM head) left in 16 bits."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:
         raise FinetuneError("--method qlora needs bitsandbytes ≥ 0.43: pip install bitsandbytes") from e
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
+    config_class = BitsAndBytesConfig
+    if fam is not None and fam.moe:
+        from finetune.models.experts_4bit import Nf4ExpertsConfig as config_class
+    return config_class(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
         # same storage dtype as compute so FSDP can shard the packed 4-bit weights with everything else
         bnb_4bit_quant_storage=compute_dtype,
+        llm_int8_skip_modules=["lm_head", *fam.tower] if fam is not None and fam.tower else None,
     )
 
 
 def _add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules,
-        task_type="CAUSAL_LM",
-    )
     try:
-        return get_peft_model(model, lora)
+        wrapped = get_peft_model(model, lora_config(model, config))
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         raise FinetuneError(f"--lora-targets {config.lora_targets!r}: {e}") from e
+    if any(hasattr(module, "parametrizations") for module in model.modules()):  # 4-bit experts under LoRA
+        from finetune.models import experts_4bit
+
+        experts_4bit.fit_lora_to_4bit_experts(wrapped)
+    return wrapped
+
+
+def lora_config(model: torch.nn.Module, config: TrainConfig):
+    """PEFT's LoraConfig for --lora-targets on this model (families.lora_targets: linear modules,
+    fused expert parameters, a router trained whole, never a vision tower), or as PEFT reads the
+    names for a family finetune does not know."""
+    from peft import LoraConfig
+
+    common = dict(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, task_type="CAUSAL_LM")
+    fam = families.family(model.config.model_type)
+    if fam is None:
+        return LoraConfig(target_modules=config.lora_target_modules, **common)
+    targets = families.lora_targets(config.lora_targets, fam, config.model, quantized=config.method == "qlora")
+    # never a vision tower, nor the container of a 4-bit expert's dequantization (experts.parametrizations.down_proj
+    # is no down_proj linear of a shared expert)
+    excluded = (*targets.exclude, "parametrizations")
+    if targets.experts and config.lora_dropout:
+        raise FinetuneError(f"--lora-targets {config.lora_targets}: LoRA on fused expert parameters has no dropout "
+                            "(PEFT cannot drop out the input of one expert); use --lora-dropout 0.")
+    return LoraConfig(target_modules=list(targets.modules) or None,
+                      target_parameters=expert_parameter_names(model, targets) or None,
+                      modules_to_save=list(targets.whole) or None,
+                      exclude_modules=rf"(.*\.)?({'|'.join(excluded)})(\..*)?", **common)
+
+
+def expert_parameter_names(model: torch.nn.Module, targets: families.LoraTargets) -> list[str]:
+    """PEFT's target_parameters for `targets`: the suffixes (experts.gate_up_proj) match plain
+    parameters, but a parameter bitsandbytes quantized in place (a parametrization) matches only
+    by its full name, one per layer."""
+    names = []
+    for target in targets.parameters:
+        module_suffix, _, param = target.rpartition(".")
+        quantized = [name for name, module in model.named_modules()
+                     if name.endswith(module_suffix) and param in getattr(module, "parametrizations", {})]
+        names += [f"{name}.{param}" for name in quantized] or [target]
+    return names
 
 
 def _from_pretrained(cls, source: str, **kwargs):
@@ -293,21 +402,3 @@ def _from_pretrained(cls, source: str, **kwargs):
             f"Could not load '{source}': its weights do not have the shapes its config.json gives "
             "(run with --verbose to see transformers' report of each tensor)."
         ) from e
-
-
-def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed and ZeRO-3 partitioned weights count as their logical size.
-
-    One count for every method: PEFT's `get_nb_trainable_parameters` exists only on a PeftModel,
-    which full fine-tuning does not have.
-    """
-    trainable = total = 0
-    for param in model.parameters():
-        quant_state = getattr(param, "quant_state", None)
-        if quant_state is not None:
-            n = math.prod(quant_state.shape)
-        else:  # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel
-            n = getattr(param, "ds_numel", param.numel())
-        total += n
-        trainable += n if param.requires_grad else 0
-    return trainable, total

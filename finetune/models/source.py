@@ -10,15 +10,13 @@ from pathlib import Path
 from typing import Literal
 
 from finetune.errors import FinetuneError
-from finetune.models import catalog, gguf_import
+from finetune.models import catalog, families, gguf_import
 from finetune.models.catalog import ModelSpec
 
 
 # what --model accepts, for errors; `finetune plan` also reads a config.json path
 MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a model directory with config.json, or a .gguf file"
 PLAN_MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, a config.json path, or a .gguf file"
-# config.json model_types whose decoder layer has the Llama layout the planner counts.
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite"}
 # config.json fields the planner counts with; each must be a positive integer where present
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
@@ -151,27 +149,27 @@ def _hub_cache_config(repo_id: str) -> Path | None:
 
 
 def spec_from_config(config: dict, name: str) -> ModelSpec:
-    """ModelSpec from a transformers config.json of a Llama-like decoder.
+    """ModelSpec from a transformers config.json of a family finetune knows (models/families.py);
+    Gemma 3's language model is read from its text_config, and its vision tower counted apart.
 
-    Raises FinetuneError for mixture-of-experts or non-Llama layouts the planner cannot count, and
-    for missing or non-positive sizes.
+    Raises FinetuneError for an unknown model_type, and for missing or non-positive sizes.
     """
     model_type = config.get("model_type", "?")
-    if any(key in config for key in ("num_local_experts", "num_experts", "n_routed_experts")):
-        raise FinetuneError(f"{name}: mixture-of-experts models ({model_type}) are not supported by the planner.")
-    if model_type not in LLAMA_LIKE:
-        raise FinetuneError(f"{name}: model_type {model_type!r} is not supported; the planner knows {', '.join(sorted(LLAMA_LIKE))}.")
-    _check_sizes(config, name)
+    fam = families.get(model_type, name)
+    text = families.language_config(config)
+    _check_sizes(text, name)
     try:
-        heads = config["num_attention_heads"]
+        heads = text["num_attention_heads"]
         return ModelSpec(
             name=name, hf_id=name if "/" in name and not Path(name).exists() else None, model_type=model_type,
-            num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads, intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"], tie_word_embeddings=config.get("tie_word_embeddings", model_type.startswith("gemma")),
-            max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
-            attention_bias=config.get("attention_bias", model_type == "qwen2"), linear_bias=config.get("mlp_bias", False),
-            source=f"{name} (config.json)",
+            num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"], num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads, intermediate_size=text["intermediate_size"],
+            vocab_size=text["vocab_size"], tie_word_embeddings=text.get("tie_word_embeddings", fam.tied),
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            head_dim=None if fam.mla else text.get("head_dim"), linear_bias=text.get("mlp_bias", False),
+            norms_per_layer=fam.norms_per_layer, **families.bias_fields(text, fam), **families.moe_fields(text, fam),
+            **(families.mla_fields(text) if fam.mla else {}), tower_params=families.tower_params(config, text["hidden_size"]),
+            quantized=(config.get("quantization_config") or {}).get("quant_method"), source=f"{name} (config.json)",
         )
     except KeyError as e:
         raise FinetuneError(f"{name}: config.json lacks {e.args[0]!r}, which the planner needs.") from e
@@ -185,10 +183,10 @@ def _check_sizes(config: dict, name: str) -> None:
 
 
 def model_hidden_size(model: str) -> int | None:
-    """Hidden size from a local config.json, without loading weights; None for Hub ids."""
+    """Hidden size (of the language model) from a local config.json, without loading weights; None for Hub ids."""
     config_file = Path(model) / "config.json"
     if config_file.is_file():
-        return json.loads(config_file.read_text()).get("hidden_size")
+        return families.language_config(json.loads(config_file.read_text())).get("hidden_size")
     return None
 
 

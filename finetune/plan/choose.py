@@ -1,12 +1,13 @@
 """From a request with open choices ("auto") to ranked plans, each with its reasons.
 
-Enumerates method × strategy × offload, picks for each the largest micro batch that fits, with
-checkpointing where it is needed or faster, of as few layers as leave headroom, then recommends
-the fastest fitting plan. Every plan whose speed lies within the fastest plan's likely range
-(plan/speed_range.py) is tied with it: the speed model cannot tell them apart. Ties go to fewer
-GPUs, then less offload (host RAM and PCIe copies every step, unmeasured), then the method that
-changes the model least (full, then LoRA, then QLoRA, which quantizes the base), then the simpler
-strategy (one GPU, DDP, then sharding), then less memory per GPU.
+Enumerates method × strategy × offload × TP/CP layout, picks for each the largest micro batch that
+fits, with checkpointing where it is needed or faster, of as few layers as leave headroom, then
+recommends the fastest fitting plan. Every plan whose speed lies within the fastest plan's likely
+range (plan/speed_range.py) is tied with it: the speed model cannot tell them apart. Ties go to
+fewer GPUs, then smaller TP/CP groups (data parallelism alone first), then less offload (host RAM
+and PCIe copies every step, unmeasured), then the method that changes the model least (full, then
+LoRA, then QLoRA, which quantizes the base), then the simpler strategy (one GPU, DDP, then
+sharding), then less memory per GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal
 from finetune.plan.gpus import GPUSpec
 from finetune.models.catalog import ModelSpec
 from finetune.errors import FinetuneError
+from finetune.plan import parallel
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, Breakdown, estimate, kept_layer_activations, unmeasured_terms
 from finetune.plan.speed import (CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds,
                                   issue_seconds)
@@ -73,6 +75,8 @@ class Request:
     liger: bool | None = None  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock; unset: as the trainer decides
     chunked_loss: bool | None = None  # the loss through the LM head in chunks; unset: where the trainer turns it on
     compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
+    tp: int | None = None  # tensor parallel size; None: the planner searches (plan/parallel.py)
+    cp: int | None = None  # context parallel size; None: the planner searches long rows
 
     def __post_init__(self) -> None:
         for name, table in (("strategy", STRATEGIES), ("precision", PRECISIONS)):
@@ -148,9 +152,10 @@ def validate(request: Request) -> None:
             check_precision(precision, request.method, strategy, request.offload if request.offload != "auto" else "none")
         except FinetuneError as e:
             problems.append(str(e))
-    for name in ("gpus_per_node", "nodes", "seq_len", "lora_r", "gradient_accumulation_steps"):
-        if getattr(request, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(request, name)}")
+    for name in ("gpus_per_node", "nodes", "seq_len", "lora_r", "gradient_accumulation_steps", "tp", "cp"):
+        value = getattr(request, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
     if request.micro_batch_size is not None and request.micro_batch_size < 1:
         problems.append(f"--micro-batch-size must be ≥ 1, got {request.micro_batch_size}")
     if request.host_memory_gib is not None and request.host_memory_gib <= 0:
@@ -198,7 +203,7 @@ def candidates(request: Request) -> list[Workload]:
                     continue
                 optimizer = "adamw" if request.optimizer == "auto" else request.optimizer
                 switches = planned_switches(request, strategy, method, optimizer)
-                workloads.append(Workload(
+                workload = Workload(
                     model=request.model, gpu=request.gpu, gpus_per_node=request.gpus_per_node, nodes=request.nodes,
                     method=method, strategy=strategy, offload=offload, precision=precision, optimizer=optimizer,
                     micro_batch_size=request.micro_batch_size or 1, seq_len=request.seq_len,
@@ -207,17 +212,34 @@ def candidates(request: Request) -> list[Workload]:
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
                     loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=request.compile,
-                ))
+                )
+                workloads += [replace(workload, tp=tp, cp=cp, loss=planned_switches(request, strategy, method, optimizer,
+                                                                                     tp, cp).loss)
+                              for tp, cp in layouts(request, workload)]
     return workloads
 
 
-def planned_switches(request: Request, strategy: Strategy, method: str, optimizer: str) -> Switches:
+def planned_switches(request: Request, strategy: Strategy, method: str, optimizer: str, tp: int = 1,
+                     cp: int = 1) -> Switches:
     """Liger, the chunked loss and fused AdamW as the trainer will decide them on the request's GPUs
     with this machine's packages (config.switches); an asked-for Liger that is not installed here is
     planned as on a machine that has it."""
     return resolve_switches(liger=request.liger, chunked_loss=request.chunked_loss, optimizer=optimizer, method=method,
                             lora_targets=request.lora_targets, cuda=True, strategy=strategy,
-                            model_type=request.model.model_type, assume_liger=True)
+                            model_type=request.model.model_type, assume_liger=True, tp=tp, cp=cp)
+
+
+def layouts(request: Request, w: Workload) -> list[tuple[int, int]]:
+    """(tp, cp) of each layout to plan `w` with: the request's, else data parallelism alone plus
+    every TP size the trainer runs it with, and the CP sizes for long rows (parallel.CP_MIN_SEQ_LEN).
+    The trainer runs TP or CP, not both."""
+    tp_sizes, cp_sizes = parallel.tensor_parallel_sizes(w), parallel.context_parallel_sizes(w)
+    if request.tp is not None or request.cp is not None:
+        tp, cp = request.tp or 1, request.cp or 1
+        fixed_ok = (tp == 1 or tp in tp_sizes) and (cp == 1 or cp in cp_sizes) and (tp == 1 or cp == 1)
+        return [(tp, cp)] if fixed_ok else []
+    long_rows = request.seq_len >= parallel.CP_MIN_SEQ_LEN
+    return [(1, 1), *((tp, 1) for tp in tp_sizes), *((1, cp) for cp in cp_sizes if long_rows)]
 
 
 def fits(w: Workload) -> bool:
@@ -300,6 +322,7 @@ def plan(request: Request) -> tuple[list[Plan], int | None]:
     settled = [settle(request, w) for w in candidates(request)]
     plans = [Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib) for w in settled]
     plans = _drop_needless_offload(plans, explicit=request.offload != "auto")
+    plans = _drop_needless_layouts(plans)
     ranked = rank(plans)
     best = ranked[0] if ranked and ranked[0].fits else None
     return [replace(p, reasons=explain(p, best, ranked)) for p in ranked], (0 if best else None)
@@ -322,7 +345,8 @@ def rank(plans: list[Plan]) -> list[Plan]:
 def preference(p: Plan) -> tuple:
     """What decides between tied plans, in order (TIE_BREAKS names each)."""
     w = p.workload
-    return (w.world_size, OFFLOAD_RANK[w.offload], METHOD_RANK[w.method], strategy_rank(w.strategy), p.device_gib)
+    return (w.world_size, w.model_parallel, OFFLOAD_RANK[w.offload], METHOD_RANK[w.method], strategy_rank(w.strategy),
+            p.device_gib)
 
 
 def strategy_rank(strategy: Strategy) -> int:
@@ -335,6 +359,7 @@ def tie_break(chosen: Plan, other: Plan) -> str:
     a, b = chosen.workload, other.workload
     reasons = (
         f"fewer GPUs ({a.world_size} vs {b.world_size})",
+        f"smaller TP/CP groups ({a.model_parallel} vs {b.model_parallel} GPUs)",
         f"less offload ({a.offload} vs {b.offload})",
         f"the method that changes the model least ({a.method} before {b.method})",
         f"the simpler strategy ({a.strategy.label} before {b.strategy.label})",
@@ -357,6 +382,19 @@ def _drop_needless_offload(plans: list[Plan], explicit: bool) -> list[Plan]:
     def needed(p: Plan) -> bool:
         w = p.workload
         return not any((w.method, w.strategy, o) in fitting for o in OFFLOADS[: OFFLOAD_RANK[w.offload]])
+    return [p for p in plans if needed(p)]
+
+
+def _drop_needless_layouts(plans: list[Plan]) -> list[Plan]:
+    """TP and CP trade communication for memory: show a layout only where the same method, strategy and
+    offload without it does not fit, or where it is faster by more than parallel.LAYOUT_SPEEDUP."""
+    plain = {(p.workload.method, p.workload.strategy, p.workload.offload): p for p in plans if p.workload.model_parallel == 1}
+
+    def needed(p: Plan) -> bool:
+        sibling = plain.get((p.workload.method, p.workload.strategy, p.workload.offload))
+        if p.workload.model_parallel == 1 or sibling is None or not sibling.fits:
+            return True
+        return p.fits and p.speed.tokens_per_second > (1 + parallel.LAYOUT_SPEEDUP) * sibling.speed.tokens_per_second
     return [p for p in plans if needed(p)]
 
 
@@ -397,6 +435,7 @@ def explain(p: Plan, best: Plan | None, ranked: list[Plan] = ()) -> tuple[str, .
         reasons.append("not yet measured on a GPU: " + "; ".join(unmeasured))
     if p.fits_host and w.offload != "none":
         reasons.append(f"offload: {host}, PCIe copies every step")
+    reasons += parallel.reasons(w)
     if p.speed.comm_bound:
         reasons.append(
             f"communication-bound over {w.gpu.interconnect if w.nodes == 1 else 'the network'}: "
@@ -438,4 +477,5 @@ def dequantization_reason(w: Workload, speed: Speed) -> str:
 
 def describe(w: Workload) -> str:
     offload = "" if w.offload == "none" else f" + {w.offload} offload"
-    return f"{w.method} {w.strategy.label}{offload}"
+    layout = "".join(f" + {name} {size}" for name, size in (("TP", w.tp), ("CP", w.cp)) if size > 1)
+    return f"{w.method} {w.strategy.label}{layout}{offload}"

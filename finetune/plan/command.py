@@ -21,6 +21,7 @@ from finetune.errors import FinetuneError
 from finetune.library_logs import quiet_libraries
 from finetune.plan import report
 from finetune.plan.choose import PARTIAL_CHECKPOINTING_HEADROOM, Plan, Request, plan
+from finetune.plan.parallel import CP_MIN_SEQ_LEN
 from finetune.plan.files import ACCELERATE_FILE, DEFAULT_CONFIG_DIR, config_texts, train_flags, write_configs
 from finetune.models.source import resolve_model, spec_from_config
 from finetune.plan.query import parse_gpus, parse_query
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: bf16-mixed for full, bf16-true for LoRA/QLoRA (fp16-mixed / fp16-true without bf16)")
     parser.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), help="auto: adamw")
     parser.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
-    parser.add_argument("--lora-targets", help="all-linear (default) or a comma list such as q_proj,v_proj")
+    parser.add_argument("--lora-targets", help="all-linear (default), all-linear+experts (a mixture of experts' experts "
+                        "too), or a comma list such as q_proj,v_proj")
     parser.add_argument("--micro-batch-size", type=int, help="default: the largest that fits")
     parser.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches per update (default 1)")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
@@ -69,10 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
+    parser.add_argument("--tp", type=int, help="tensor parallel size: GPUs of a node that split every linear layer "
+                        "(default: searched; 1: none)")
+    parser.add_argument("--cp", type=int, help="context parallel size: GPUs that split every row's tokens (default: "
+                        f"searched for rows of {CP_MIN_SEQ_LEN:,} tokens or more; 1: none)")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
     parser.add_argument("--host-memory", metavar="GiB|local",
                         help="host RAM per node a plan may use (default: what the GPU's usual cloud instance has; "
                         "local: this machine's)")
+    add_output_flags(parser)
+    return parser
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """What to do with the plans: print them (table, JSON, chart), write their files, serve the page, simulate."""
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.add_argument("--png", metavar="FILE", help="draw per-GPU memory per plan as a stacked bar chart")
     parser.add_argument("--write-config", metavar="DIR", help="write the recommended plan's accelerate YAML (and DeepSpeed JSON)")
@@ -88,7 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "and LoRA with AdamW on one GPU or FSDP2 without offload; for other plans it simulates the "
                         "best-ranked plan it checks and says so")
     parser.add_argument("--verbose", action="store_true", help="with --simulate: also show the libraries' logs and warnings")
-    return parser
 
 
 def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] = resolve_model) -> Request | list[Request]:

@@ -117,7 +117,12 @@ def train_flags(w: Workload) -> list[str]:
         flags += ["--optimizer", w.optimizer]
     if w.method != "full":
         flags += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
-    return flags + checkpointing_flags(w) + speed_flags(w)
+    return flags + layout_flags(w) + checkpointing_flags(w) + speed_flags(w)
+
+
+def layout_flags(w: Workload) -> list[str]:
+    """--tp / --cp of a plan that splits its groups' work (the written accelerate config is FSDP2)."""
+    return [word for name, size in (("--tp", w.tp), ("--cp", w.cp)) if size > 1 for word in (name, str(size))]
 
 
 def checkpointing_flags(w: Workload) -> list[str]:
@@ -135,7 +140,7 @@ def speed_flags(w: Workload) -> list[str]:
     def loss(liger: bool | None, chunked: bool | None = None) -> str:
         return resolve_switches(liger=liger, chunked_loss=chunked, optimizer=w.optimizer, method=w.method,
                                 lora_targets=w.lora_targets, cuda=True, strategy=w.strategy,
-                                model_type=w.model.model_type).loss
+                                model_type=w.model.model_type, tp=w.tp, cp=w.cp).loss
 
     flags, default = [], loss(None)
     if w.loss == "liger" and default != "liger":
@@ -166,7 +171,7 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
              "--method", w.method, "--strategy", w.strategy.name, "--offload", w.offload, "--precision", w.precision.name,
              "--optimizer", w.optimizer, "--micro-batch-size", str(w.micro_batch_size),
              "--gradient-accumulation-steps", str(w.gradient_accumulation_steps), "--seq-len", str(w.seq_len),
-             *(checkpointing_flags(w) or ["--no-gradient-checkpointing"])]
+             *layout_flags(w), *(checkpointing_flags(w) or ["--no-gradient-checkpointing"])]
     if w.method != "full":
         words += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
     return shlex.join([*words, *speed_flags(w), "--write-config", config_dir])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.config.names import trains_pure_bf16
+from finetune.plan import moe, parallel
 from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
 from finetune.plan.workload import Workload
 
@@ -84,9 +85,10 @@ class ModelStates:
 
 
 def trainable_params(w: Workload) -> int:
+    """Full fine-tuning trains everything but a vision tower (text fine-tuning leaves it as published)."""
     if w.method == "full":
-        return count_params(w.model).total
-    return lora_params(w.model, w.lora_r, resolve_lora_targets(w.model, w.lora_targets))
+        return count_params(w.model).total - w.model.tower_params
+    return lora_params(w.model, w.lora_r, resolve_lora_targets(w.model, w.lora_targets, w.method))
 
 
 def trainable_bytes(w: Workload) -> int:
@@ -101,13 +103,14 @@ def trainable_bytes(w: Workload) -> int:
 
 
 def model_states(w: Workload) -> ModelStates:
-    counts = count_params(w.model)
+    """What one GPU's model holds before FSDP/ZeRO shard it: the whole model, or a TP rank's slice."""
+    counts = parallel.rank_params(w)
     p = w.precision
-    n_train = trainable_params(w)
+    n_train = parallel.rank_trainable_params(w)
     weight = trainable_bytes(w)
     base_bytes = p.compute_bytes if w.deepspeed else p.weight_bytes
     if w.method == "full":
-        frozen, constants = 0.0, 0.0
+        frozen, constants = counts.tower * base_bytes, 0.0
     elif w.method == "lora":
         frozen, constants = counts.total * base_bytes, 0.0
     else:
@@ -171,16 +174,17 @@ def layer_activation_bytes(w: Workload) -> float:
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
     """
-    spec, p = w.model, w.precision
+    spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
     h, e = spec.hidden_size, p.compute_bytes
     q_width = spec.num_heads * spec.resolved_head_dim
     kv_width = spec.num_kv_heads * spec.resolved_head_dim
-    inter = spec.intermediate_size
+    inter = spec.shared_expert_intermediate_size if spec.moe else spec.intermediate_size  # MoE: the shared expert
     residual = residual_bytes(w)
     out = residual if w.method == "qlora" else e  # dtype of a projection's output
     attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
     full = w.method == "full"
-    targets = () if full else resolve_lora_targets(spec, w.lora_targets)
+    lora = None if full else resolve_lora_targets(spec, w.lora_targets, w.method)
+    targets = () if full else tuple(linear.name for linear in layer_linears(spec) if lora.adapts(linear.name))
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
@@ -204,7 +208,7 @@ def layer_activation_bytes(w: Workload) -> float:
     if full and w.attention == "sdpa":
         saved -= attn * q_width  # o_proj's input is SDPA's output, already saved by SDPA
     lora_out = e if p.autocast else adapter
-    saved += sum(w.lora_r * lora_out for name in names if name in targets)  # lora_A outputs, read by lora_B
+    saved += sum(w.lora_r * lora_out for name in names if name in lora.modules) if lora else 0  # lora_A outputs
 
     if w.attention == "eager":
         # scores and fp32 softmax output, per query token: one row of s keys per head
@@ -212,6 +216,8 @@ def layer_activation_bytes(w: Workload) -> float:
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
+    if spec.moe:
+        saved += moe.routed_activation_bytes(w)
     return saved
 
 
@@ -314,11 +320,11 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     time it recomputes one, so the peak is that of the last layer, not recomputed.
     """
     spec = w.model
-    tokens = w.tokens_per_micro_batch
+    tokens = parallel.tokens_per_rank(w)
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
     kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
-    at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size
+    at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
     in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
     if w.strategy.fsdp and w.method != "full" and not recomputed:
@@ -326,8 +332,23 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
         # released the last layer's saved activations (FSDPMemTracker, tests/test_planner_simulate.py;
         # with some layers checkpointed the simulated peak is 5-9 % under this model without it)
         in_layer -= layer
-    copies = autocast_weight_copies(w)
-    return tokens * (kept + at_loss) + copies + chunk_scratch_bytes(w), tokens * (kept + in_layer) + copies
+    copies = autocast_weight_copies(w) + materialized_copies(w)
+    gradient = moe.weight_gradient_bytes(w, lora_targets(w))
+    return tokens * (kept + at_loss) + copies + chunk_scratch_bytes(w), tokens * (kept + in_layer) + copies + gradient
+
+
+def lora_targets(w: Workload):
+    return None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+
+
+def materialized_copies(w: Workload) -> float:
+    """The 16-bit copies of MoE layers' weights that backward keeps (moe.materialized_weight_bytes), one
+    per layer whose activations are kept, and the one a checkpointed layer recomputes."""
+    layer = moe.materialized_weight_bytes(w, lora_targets(w))
+    if not layer:
+        return 0.0
+    kept = w.model.num_layers - w.recomputed_layers + (w.recomputed_layers > 0)
+    return layer * min(kept, w.model.moe_layers)
 
 
 def kept_layer_activations(w: Workload) -> float:
@@ -368,7 +389,7 @@ def autocast_weight_copies(w: Workload) -> float:
     p = w.precision
     if not p.autocast or w.strategy.computes_on_copies:
         return 0.0
-    counts = count_params(w.model)
+    counts = parallel.rank_params(w)
     head = counts.head or counts.embedding
     if w.method == "qlora":
         return p.compute_bytes * head if unquantized_bytes(w) > p.compute_bytes else 0.0
@@ -389,14 +410,17 @@ def working_set_bytes(w: Workload) -> tuple[float, float]:
     """
     if not w.strategy.shards_weights:
         return 0.0, 0.0
-    counts = count_params(w.model)
+    counts = parallel.rank_params(w)
     e = w.precision.compute_bytes
     layer = e * counts.layer
     if w.method == "qlora":  # 4-bit weights travel packed in their 16-bit storage
         layer -= (e - 0.5) * counts.layer_linear_weights
     if w.strategy.fsdp:
-        layer_gradients = e * trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
-        return e * counts.root, e * counts.root + 2 * layer + layer_gradients
+        layer_gradients = e * parallel.rank_trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
+        # a mixture of experts holds a third layer unsharded at that moment (FSDPMemTracker: Mixtral and
+        # Qwen3-MoE shapes, LoRA and full, tests/test_planner_simulate.py; dense layers hold two)
+        gathered = (3 if w.model.moe else 2) * layer
+        return e * counts.root, e * counts.root + gathered + layer_gradients
     largest = max(layer, e * counts.embedding, e * counts.head)
     gathered = 2 * largest + e * DS_BUCKET_ELEMENTS
     return gathered, gathered
@@ -419,8 +443,8 @@ def dequant_scratch_bytes(w: Workload) -> float:
     """QLoRA dequantizes one linear's weight to 16 bits for each matmul, forward and backward."""
     if w.method != "qlora":
         return 0.0
-    largest = max(linear.weight_params for linear in layer_linears(w.model))
-    return largest * w.precision.compute_bytes
+    largest = max(linear.weight_params for linear in layer_linears(w.model) if linear.kind != "experts")
+    return largest * w.precision.compute_bytes  # dequantized experts: moe.materialized_weight_bytes
 
 
 # Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
@@ -452,7 +476,7 @@ class Placement:
 def place_states(w: Workload, states: ModelStates) -> Placement:
     """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
     by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
-    n, strategy = w.world_size, w.strategy
+    n, strategy = w.sharding_ranks, w.strategy
     weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
     gradients = states.gradients / (n if strategy.shards_gradients else 1)
     optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)
@@ -477,7 +501,7 @@ def estimate(w: Workload) -> Breakdown:
     weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
 
     persistent = comm_buffer_bytes(w, states)
-    scratch = dequant_scratch_bytes(w)
+    scratch = dequant_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
     moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
     activations, transient = max(moments, key=sum)
     if activations + transient >= step_scratch:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from finetune.plan.choose import Plan, Request, describe
 from finetune.plan.files import launch_command, ray_command
+from finetune.models.catalog import ModelSpec
+from finetune.plan import moe
 from finetune.plan.memory import GIB, trainable_params, unmeasured_terms
 from finetune.plan.params import count_params
 from finetune.plan.workload import Workload
@@ -23,6 +25,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
     hours, cost = p.hours(tokens), p.cost_usd(tokens)
     return {
         "method": w.method, "strategy": w.strategy.name, "offload": w.offload, "precision": w.precision.name,
+        "tp": w.tp, "cp": w.cp, "data_parallel": w.data_parallel_size,
         "optimizer": w.optimizer, "micro_batch_size": w.micro_batch_size, "seq_len": w.seq_len,
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_checkpointing_layers": w.recomputed_layers,  # of model.num_layers; 0 without checkpointing
@@ -63,14 +66,36 @@ def _rounded(pair: tuple[float, float] | None, digits: int) -> list[float] | Non
     return [round(v, digits) for v in pair] if pair else None
 
 
+def model_notes(spec: ModelSpec) -> list[str]:
+    """What the plans of this model assume that a reader would not guess: experts all resident and no
+    expert parallelism, MXFP4 weights planned dequantized, a vision tower left frozen."""
+    notes = list(moe.NOTES) if spec.moe else []
+    if spec.quantized == "mxfp4":
+        notes.append(moe.MXFP4_NOTE.format(name=spec.name))
+    if spec.tower_params:
+        notes.append(f"the vision tower ({spec.tower_params / 1e9:.2f}B params) loads with the model and stays frozen: "
+                     "text fine-tuning trains the language model")
+    return notes
+
+
+def size_text(spec: ModelSpec) -> str:
+    """'30.53B params (3.35B active: 8 of 128 experts per token)', or '8.19B params'."""
+    counts = count_params(spec)
+    active = (f" ({counts.active / 1e9:.2f}B active: {spec.experts_per_token} of {spec.num_experts} experts per token)"
+              if spec.moe else "")
+    return f"{counts.total / 1e9:.2f}B params{active}"
+
+
 def to_json(request: Request, plans: list[Plan], recommended: int | None, config_dir: str) -> dict:
     """The JSON contract of `finetune plan --json` (see the README)."""
     spec, gpu = request.model, request.gpu
     return {
         "model": {
             "name": spec.name, "hf_id": spec.hf_id, "params": count_params(spec).total,
+            "active_params": count_params(spec).active, "experts": spec.num_experts,
+            "experts_per_token": spec.experts_per_token,
             "layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
-            "source": spec.source,
+            "source": spec.source, "notes": model_notes(spec),
         },
         "hardware": {
             "gpu": gpu.name, "count": request.gpus_per_node * request.nodes, "gpus_per_node": request.gpus_per_node,
@@ -92,23 +117,25 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
     world = request.gpus_per_node * request.nodes
     host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
     lines = [
-        f"{spec.name}: {count_params(spec).total / 1e9:.2f}B params on {world}× {gpu.name} "
+        f"{spec.name}: {size_text(spec)} on {world}× {gpu.name} "
         f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
         f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
+        "tp, cp: GPUs of one tensor- / context-parallel group; "
         "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
         "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights); "
         "tok/s~ = not measured on this chip and shape family (see the speed reason); likely = the range the "
         "speed model's cross-validated errors support (80 %), hours and $ over it",
+        *(f"note: {note}" for note in model_notes(spec)),
         "",
     ]
-    header = ("", "method", "strategy", "offload", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits", "tok/s",
-              "likely", "hours", "$")
+    header = ("", "method", "strategy", "offload", "tp", "cp", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits",
+              "tok/s", "likely", "hours", "$")
     rows = [header]
     for i, p in enumerate(plans):
         w, m = p.workload, p.memory
         hours, cost = p.hours(request.tokens), p.cost_usd(request.tokens)
         rows.append((
-            "*" if i == recommended else "", w.method, w.strategy.label, w.offload,
+            "*" if i == recommended else "", w.method, w.strategy.label, w.offload, str(w.tp), str(w.cp),
             str(w.micro_batch_size), checkpointing_cell(w),
             *(f"{getattr(m, term) / GIB:.1f}" for term in TERMS),
             f"{p.device_gib:.1f}", f"{p.host_gib:.0f}", _fits_cell(p),

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
+from finetune.plan import params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
 from finetune.plan.traffic import (DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels,
@@ -202,8 +203,9 @@ def gathered_weight_bytes(w: Workload) -> float:
 
 
 def collectives(w: Workload) -> tuple[Collective, ...]:
-    """What each rank sends per optimizer update under `w.strategy` (nothing on one GPU)."""
-    n = w.world_size
+    """What each rank sends per optimizer update under `w.strategy` (nothing on one GPU), over the
+    ranks it shards over (a TP rank's slice over the data-parallel ranks)."""
+    n = w.sharding_ranks
     if n == 1:
         return ()
     ring = (n - 1) / n
@@ -227,13 +229,48 @@ def collectives(w: Workload) -> tuple[Collective, ...]:
     # fsdp, zero3: one unit per decoder layer plus the root (embeddings, head); weights are gathered
     # for the forward and again for the backward, gradients reduce-scattered in the backward
     units = w.model.num_layers + 1
-    gathered = 2 * ring * gathered_weight_bytes(w)
+    gathered = 2 * ring * gathered_weight_bytes(w) / w.tp
     return (
         Collective("all-gather weights (forward, backward)", micro * gathered, micro * 2 * units, EACH_MICRO_BATCH,
                    micro * gathered / (2 * units), micro),
         Collective("reduce-scatter gradients", micro * ring * gradients, micro * units, EACH_MICRO_BATCH,
                    micro * ring * gradients / units, micro),
     )
+
+
+def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
+    """What each rank of a TP or CP group sends its group per optimizer update (plan/parallel.py).
+
+    TP: every decoder layer all-reduces its attention output and its MLP output in the forward, the
+    gradients of their inputs in the backward, and again for each forward checkpointing recomputes;
+    each all-reduce moves a micro-batch's hidden states (compute dtype), and the LM head all-gathers
+    the logits. They sit between a layer's matmuls, so nothing hides them. CP: every layer passes its
+    keys and values round the ring (cp − 1 hops) in the forward, and keys, values and their
+    gradients in the backward, while the attention of the chunk in hand computes.
+    """
+    spec, e, micro = w.model, w.precision.compute_bytes, w.gradient_accumulation_steps
+    items = []
+    if w.tp > 1:
+        ring = 2 * (w.tp - 1) / w.tp
+        per_layer = 4 + 2 * w.recompute_share  # all-reduces: 2 forward, 2 backward, 2 per recomputed forward
+        reduced = micro * spec.num_layers * per_layer * ring * w.tokens_per_micro_batch * spec.hidden_size * e
+        logits = micro * (w.tp - 1) / w.tp * w.tokens_per_micro_batch * spec.vocab_size * e
+        launches = micro * round(spec.num_layers * per_layer + 1)
+        items.append(Collective("all-reduce activations (TP)", reduced + logits, launches, NOTHING,
+                                reduced + logits, launches))
+    if w.cp > 1:
+        kv = 2 * spec.num_kv_heads * spec.resolved_head_dim * w.tokens_per_micro_batch / w.cp * e
+        hops = (w.cp - 1) * spec.num_layers * micro
+        items.append(Collective("pass keys and values round the ring (CP)", 3 * hops * kv, 3 * hops, EACH_MICRO_BATCH))
+    return tuple(items)
+
+
+def model_parallel_link(w: Workload) -> tuple[float, float]:
+    """(GB/s per direction, latency in s) of a TP/CP group's link: inside a node its GPUs' own link
+    (NVLink, or PCIe), across nodes the network."""
+    if w.model_parallel <= w.gpus_per_node:
+        return w.gpu.link_gb_per_s, LATENCY_S
+    return min(w.gpu.link_gb_per_s, INTER_NODE_GB_PER_S), INTER_NODE_LATENCY_S
 
 
 def link(w: Workload) -> tuple[float, float]:
@@ -261,7 +298,8 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time to issue one micro-batch's kernels: per decoder layer, per adapted linear (once
     more for the layers whose forward checkpointing recomputes), per 4-bit dequantization."""
     layers = w.model.num_layers
-    adapted = 0 if w.method == "full" else layers * len(resolve_lora_targets(w.model, w.lora_targets))
+    targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+    adapted = 0 if targets is None else sum(n * len(params.adapted(linears, targets)) for n, linears in params.layer_kinds(w.model))
     passes = 1 + FORWARD_SHARE * w.recompute_share
     per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
     return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
@@ -323,9 +361,9 @@ def memory_bytes_per_s(w: Workload) -> float:
 
 
 def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed:
-    n = w.world_size
+    n = w.data_parallel_size  # a TP/CP group's GPUs share each micro-batch's FLOPs and tokens
     tokens_update = w.tokens_per_micro_batch * w.gradient_accumulation_steps
-    issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration)
+    issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration) / w.model_parallel
     forward_share = training_flops(w)[0] / sum(training_flops(w))
     forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
     compute = w.gradient_accumulation_steps * max(issue, gpu) + optimizer_seconds(w, calibration)
@@ -334,6 +372,9 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
     gb_per_s, latency_s = link(w)
     comm = sum(c.seconds(gb_per_s, latency_s) for c in items)
     exposed = exposed_seconds(items, gb_per_s, latency_s, forward, backward, w.gradient_accumulation_steps)
+    group, (group_gb_per_s, group_latency_s) = model_parallel_collectives(w), model_parallel_link(w)
+    comm += sum(c.seconds(group_gb_per_s, group_latency_s) for c in group)
+    exposed += exposed_seconds(group, group_gb_per_s, group_latency_s, forward, backward, w.gradient_accumulation_steps)
 
     offload = 0.0  # per update
     e = w.precision.compute_bytes

@@ -32,7 +32,8 @@ MEASURED = {
 }
 SPREAD = {"measured": 0.134, "shape": 0.145, "chip": 0.365}
 # Terms without a GPU measurement: their spread is ASSUMED (not fitted), added in quadrature.
-UNMEASURED_SPREAD = {"communication": 0.25, "offload": 0.4, "compiled blocks": 0.3}
+UNMEASURED_SPREAD = {"communication": 0.25, "offload": 0.4, "compiled blocks": 0.3,
+                     "mixture-of-experts routing": 0.3}
 # ± this many spreads hold the central 80 % of a normal distribution of log errors.
 LIKELY_Z = 1.2816
 
@@ -64,6 +65,8 @@ def unmeasured_terms(w: Workload) -> list[str]:
         terms.append("offload")
     if w.compile:
         terms.append("compiled blocks")
+    if w.model.moe:
+        terms.append("mixture-of-experts routing")
     return terms
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.plan import moe
 from finetune.plan.memory import model_states, residual_bytes, trainable_params
-from finetune.plan.params import count_params, layer_linears, resolve_lora_targets
+from finetune.plan.params import adapted, count_params, layer_linears, resolve_lora_targets
 from finetune.models.catalog import ModelSpec
 from finetune.plan.workload import Workload
 
@@ -87,7 +88,7 @@ def kernels(w: Workload) -> str:
 def layer_forward_bytes(w: Workload) -> float:
     """Bytes per token one decoder layer's elementwise kernels move in the forward."""
     spec, e, r = w.model, w.precision.compute_bytes, residual_bytes(w)
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, moe.activated_width(spec) if spec.moe else spec.intermediate_size
     q, kv = spec.num_heads * spec.resolved_head_dim, spec.num_kv_heads * spec.resolved_head_dim
     k = kernels(w)
     scale = r / 2  # the counts above are for a 16-bit residual stream; fp32 doubles them
@@ -99,6 +100,8 @@ def layer_forward_bytes(w: Workload) -> float:
         moved += sum(linear.fan_in for linear in layer_linears(spec)) * (4 + e)
     if w.attention == "eager":  # every query's row of scores, every head
         moved += spec.num_heads * w.seq_len * EAGER_SCORE_BYTES
+    if spec.moe:  # tokens gathered to their experts and back, in the layers that hold experts
+        moved += moe.routing_bytes(w) * spec.moe_layers / spec.num_layers
     return moved + adapter_forward_bytes(w)
 
 
@@ -111,7 +114,7 @@ def adapter_forward_bytes(w: Workload) -> float:
     and is cast back at the end."""
     if w.method == "full":
         return 0.0
-    targets = resolve_lora_targets(w.model, w.lora_targets)
+    targets = resolve_lora_targets(w.model, w.lora_targets, w.method)
     a, e = w.adapter_bytes, w.precision.compute_bytes
     if w.precision.autocast:
         per_in = e + (0 if w.method == "qlora" or a == e else 2 * (e + a))
@@ -119,8 +122,8 @@ def adapter_forward_bytes(w: Workload) -> float:
     else:
         cast = a + e if a != e else 0
         per_in, per_out = cast + a, 3 * a + (e + 2 * a) + cast  # out: B's output, the scale, the add, the cast back
-    return sum(per_in * linear.fan_in + per_out * linear.fan_out for linear in layer_linears(w.model)
-               if linear.name in targets)
+    return sum(per_in * linear.fan_in + per_out * linear.fan_out for linear in adapted(layer_linears(w.model), targets)
+               if linear.kind != "experts")  # LoRA on fused experts adds to the weight instead (plan/moe.py)
 
 
 def layer_kernels(spec: ModelSpec) -> int:
@@ -132,8 +135,8 @@ def kernel_launches(w: Workload) -> float:
     """Kernels one micro-batch launches in its decoder layers: forward, the recomputed forward, and
     the backward."""
     linears = len(layer_linears(w.model))
-    adapted = 0 if w.method == "full" else len(resolve_lora_targets(w.model, w.lora_targets))
-    forward = LAYER_KERNELS[kernels(w)] + linears + adapted * (ADAPTER_KERNELS + (w.method == "qlora"))
+    lora = 0 if w.method == "full" else len(adapted(layer_linears(w.model), resolve_lora_targets(w.model, w.lora_targets, w.method)))
+    forward = LAYER_KERNELS[kernels(w)] + linears + lora * (ADAPTER_KERNELS + (w.method == "qlora"))
     return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS) + dequantizations(w) * DEQUANT_KERNELS
 
 
@@ -141,7 +144,8 @@ def dequantizations(w: Workload) -> float:
     """4-bit linears dequantized per micro-batch: each in the forward, the backward and any recompute."""
     if w.method != "qlora":
         return 0.0
-    return w.model.num_layers * len(layer_linears(w.model)) * (2 + w.recompute_share)
+    quantized = [linear for linear in layer_linears(w.model) if linear.quantized]
+    return w.model.num_layers * len(quantized) * (2 + w.recompute_share)
 
 
 def dequantized_bytes(w: Workload) -> float:
@@ -159,6 +163,9 @@ def traffic(w: Workload) -> Traffic:
     per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)]
     counts = count_params(spec)
     per_micro_batch = dequantized_bytes(w)
+    # LoRA on fused experts writes W + ΔW and the grouped matmul reads it, per pass, in every MoE layer
+    targets = None if w.method == "full" else resolve_lora_targets(spec, w.lora_targets, w.method)
+    per_micro_batch += 2 * moe.lora_weight_bytes(w, targets) * spec.moe_layers * (2 + w.recompute_share)
     if w.precision.mixed and w.method == "full" and not w.strategy.computes_on_copies:
         per_micro_batch += counts.matmul * AUTOCAST_WEIGHT_BYTES * (1 + w.recompute_share)
     trainable = trainable_params(w)

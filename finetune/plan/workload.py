@@ -41,6 +41,8 @@ class Workload:
     lora_r: int = 16
     lora_targets: str = "all-linear"
     gradient_accumulation_steps: int = 1
+    tp: int = 1  # tensor parallel: each group of tp GPUs splits every linear layer (plan/parallel.py)
+    cp: int = 1  # context parallel: each group of cp GPUs splits every row's tokens
     efficient_loading: bool = True  # FSDP: one process per node reads the checkpoint (cpu_ram_efficient_loading)
     # How the training code behaves; defaults are finetune's (transformers 5 + PEFT + bitsandbytes
     # ≥ 0.43.2 + torch AdamW). The calibration bench sets them to reproduce other frameworks' runs.
@@ -60,10 +62,27 @@ class Workload:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
         object.__setattr__(self, "precision", named(PRECISIONS, self.precision, "--precision"))
+        if not self.model.family.sdpa:  # gpt-oss's attention sinks: transformers runs it eagerly
+            object.__setattr__(self, "attention", "eager")
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs of one TP or CP group: they work on the same rows."""
+        return self.tp * self.cp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """GPUs that read different rows."""
+        return self.world_size // self.model_parallel
+
+    @property
+    def sharding_ranks(self) -> int:
+        """GPUs FSDP2/ZeRO shard a rank's states over: data-parallel × CP (a TP rank's slice is its own)."""
+        return self.world_size // self.tp
 
     @property
     def deepspeed(self) -> bool:
@@ -98,7 +117,7 @@ class Workload:
 def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
     """The one translation of a training run into the planner's Workload: model, method, LoRA
     settings, precision, optimizer, strategy and offload (from the launch config / DeepSpeed JSON),
-    world size and machines, micro batch, accumulation, sequence length and checkpointing (and of how
+    world size, machines and TP/CP layout, micro batch, accumulation, sequence length and checkpointing (and of how
     many layers).
 
     Raises FinetuneError when the planner cannot read the model's architecture without a download.
@@ -116,6 +135,7 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         gradient_checkpointing=config.gradient_checkpointing, checkpointed_layers=config.gradient_checkpointing_layers,
         lora_r=config.lora_r, lora_targets=config.lora_targets, lora_dropout=config.lora_dropout,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
+        tp=run.parallelism.tp, cp=run.parallelism.cp,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
         # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
         # compilation is off unless asked for

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.config.names import trains_pure_bf16
-from finetune.train import preflight
+from finetune.train import parallel, preflight
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
 
 RESOLVED_DEEPSPEED_FILE = "deepspeed_config.json"
@@ -54,8 +54,8 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
     cuda = torch.cuda.is_available()
     if deepspeed is not None and not launched():
         become_single_process_launch()
-    fsdp_plugin = fsdp_plugin_from_launch() if run.strategy.fsdp else None
-    with preflight.watchdog(config.preflight_timeout) as dog:
+    fsdp_plugin = fsdp_plugin_from_launch(run) if run.strategy.fsdp else None
+    with preflight.watchdog(config.preflight_timeout) as dog, parallel.launch_parallelism_withheld():
         dog.stage("rendezvous", preflight.rendezvous_advice())
         accelerator = Accelerator(
             # the loop collects each accumulation window before its first forward, so Accelerate must
@@ -78,6 +78,7 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
         )
         if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
             enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+        parallel.hand_over(accelerator, run.parallelism)
         if accelerator.num_processes != run.world_size or (
             run.world_size > 1 and accelerator.distributed_type == DistributedType.NO
         ):
@@ -107,9 +108,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def fsdp_plugin_from_launch() -> FullyShardedDataParallelPlugin:
-    """The FSDP2 plugin the accelerate config asks for (`resolve_run` has refused FSDP1)."""
-    return FullyShardedDataParallelPlugin()
+def fsdp_plugin_from_launch(run: ResolvedRun) -> FullyShardedDataParallelPlugin:
+    """The FSDP2 plugin the accelerate config asks for (`resolve_run` has refused FSDP1), or, for a
+    --tp/--cp run launched without one, FSDP2 with sharded checkpoints and the decoder block as unit."""
+    if run.launch.fsdp:
+        return FullyShardedDataParallelPlugin()
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          state_dict_type="SHARDED_STATE_DICT")
 
 
 def accelerate_mixed_precision(run: ResolvedRun) -> str:
@@ -127,7 +132,9 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
 
     Accelerate enables FSDP only on GPU-like devices and otherwise falls back to DDP (MULTI_CPU). The
     code FSDP2 runs once enabled (fully_shard, DTensor collectives, sharded checkpoints) is the GPU
-    code, so this is what lets `finetune rehearse` and the tests exercise the real FSDP path.
+    code, so this is what lets `finetune rehearse` and the tests exercise the real FSDP path. It is
+    also why TP and CP run on CPU: Accelerate refuses a ParallelismConfig under MULTI_CPU, and
+    `parallel.hand_over` attaches the layout once the run is FSDP here.
     Mixed precision stays off on CPU, so the plugin needs no precision policy; CPU offload keeps its
     code path but without pinned memory, which needs a GPU.
     """
@@ -167,12 +174,17 @@ def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
         + (f" on {run.launch.num_machines} machines" if run.launch.num_machines > 1 else ""),
         f"precision: {precision.name} (weights {precision.weights}, compute {precision.compute})",
     ]
+    if run.parallelism.model_parallel > 1:
+        lines.append(f"layout: {run.parallelism.label} (tp {run.parallelism.tp}, cp {run.parallelism.cp}, "
+                     f"dp_shard {run.parallelism.dp_shard}); "
+                     + ("transformers' TP plan, then FSDP2" if run.parallelism.tp > 1 else "ring attention, FSDP2 over dp × cp"))
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
         wrap = getattr(plugin.auto_wrap_policy, "__name__", str(plugin.auto_wrap_policy))
+        wrap = ("by transformers (its FSDP plan)" if run.parallelism.tp > 1
+                else f"{wrap} (block class from the model's _no_split_modules)")
         lines += [
-            f"sharding: reshard after forward {plugin.reshard_after_forward}, wrap {wrap} "
-            "(block class from the model's _no_split_modules)",
+            f"sharding: reshard after forward {plugin.reshard_after_forward}, wrap {wrap}",
             f"state dict: {plugin.state_dict_type.name}, cpu offload {isinstance(plugin.cpu_offload, CPUOffloadPolicy)}, "
             f"cpu-RAM-efficient loading {plugin.cpu_ram_efficient_loading}",
         ]
@@ -185,7 +197,7 @@ def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
             *deepspeed.notes,
         ]
     lines.append(
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
-        f"{batch.world_size} = global {batch.global_batch_size}"
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
+        f"= global {batch.global_batch_size}"
     )
     return "distributed setup:\n  " + "\n  ".join(lines)

@@ -23,14 +23,14 @@ from finetune.errors import FinetuneError, FitError
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
 from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_DIR, launch_command, plan_command
-from finetune.plan.memory import GIB, Breakdown, ModelStates, Placement, deepspeed_optimizer_bytes, estimate, place_states
+from finetune.plan.memory import GIB, Breakdown, ModelStates, deepspeed_optimizer_bytes, estimate, place_states
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload, from_run
 from finetune.config.names import trains_pure_bf16
 from finetune.config.options import TrainConfig, command_line
 from finetune.config.resolve import Device, ResolvedRun
 from finetune.models.source import architecture_of
-from finetune.plan.params import count_params
+from finetune.plan.params import count_params, params_by_kind, resolve_lora_targets
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
 
@@ -61,7 +61,7 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                       gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
                       lora_r=w.lora_r, lora_targets=w.lora_targets,
-                      gradient_accumulation_steps=w.gradient_accumulation_steps)
+                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))
 
@@ -94,6 +94,7 @@ class Built:
     trainable_bytes: int
     optimizer_bytes: int  # states the optimizer created on its first step
     buffer_bytes: int  # 4-bit quantization state, rotary tables: replicated on every GPU
+    kinds: dict[str, tuple[int, int]]  # kind → (trainable, total) parameters (models/inventory.by_kind)
 
 
 def build(run: ResolvedRun) -> Built:
@@ -101,10 +102,11 @@ def build(run: ResolvedRun) -> Built:
     optim.build_optimizer) on fake tensors, step the optimizer once, and measure them."""
     import torch
 
-    from finetune.models import loading
+    from finetune.models import inventory, loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
+    kinds = inventory.by_kind(model, (model.get_base_model() if hasattr(model, "get_base_model") else model).config.model_type)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     # bitsandbytes builds real code tables here
@@ -124,6 +126,7 @@ def build(run: ResolvedRun) -> Built:
             trainable_bytes=sum(map(_bytes, trainable)),
             optimizer_bytes=optimizer_bytes,
             buffer_bytes=sum(map(_bytes, model.buffers())),
+            kinds=kinds,
         )
 
 
@@ -162,11 +165,6 @@ def _bytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def built_per_gpu(run: ResolvedRun, workload: Workload) -> Placement:
-    """`built_states` placed on one GPU by the run's strategy and offload (as the planner places its own)."""
-    return place_states(workload, built_states(run))
-
-
 def run_command(run: ResolvedRun, plan: Plan, given: frozenset[str]) -> tuple[str, str | None]:
     """This run's launch line (every flag the user gave, less --dry-run and --json) and the command
     that writes the launcher files it names (None when it needs none: one process, no strategy)."""
@@ -185,14 +183,23 @@ def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: froze
     """`finetune --dry-run`: the plan of this run (the `finetune plan` table or JSON, one plan) with
     the per-GPU bytes the trainer's construction actually holds beside the planned ones, and this
     run's own launch command (the options in `given`) with the command that writes its files."""
+    from finetune.models import inventory
+    from finetune.train.simulate import one_rank
+
     gpu = gpu_of(run, device)
     request, plan = plan_run(run, gpu)
-    built = built_per_gpu(run, plan.workload)
+    construction = build(run)
+    rank = one_rank(run)  # under TP or CP, the slice of the model one rank holds
+    built = place_states(plan.workload, built_states(rank, construction if rank is run else None))
+    planned_kinds = planned_by_kind(plan.workload)
     command, writer = run_command(run, plan, given)
     if as_json:
         data = report.to_json(request, [plan], 0 if plan.fits else None, config_dir=DEFAULT_CONFIG_DIR)
         data["plans"][0].update(launch_command=command, config_files_command=writer)
         data["plans"][0]["built_per_gpu_gib"] = {term: round(getattr(built, term) / GIB, 3) for term in BUILT_TERMS}
+        data["plans"][0]["parameters_by_kind"] = {
+            kind: {"trainable": trainable, "total": total, "planned": list(planned_kinds.get(kind, (0, 0)))}
+            for kind, (trainable, total) in construction.kinds.items()}
         return json.dumps(data, indent=2)
     launch = command + (f"\n  files: {writer}" if writer else "")
     lines = [report.table(request, [plan], 0 if plan.fits else None, config_dir=DEFAULT_CONFIG_DIR, heading="This run",
@@ -203,7 +210,18 @@ def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: froze
              f"  {'term':<12} {'built':>9} {'planned':>9}  GiB"]
     for term in BUILT_TERMS:
         lines.append(f"  {term:<12} {getattr(built, term) / GIB:>9.2f} {getattr(plan.memory, term) / GIB:>9.2f}")
-    return "\n".join(lines)
+    lines += ["", "Parameters by kind, as built:", inventory.table(construction.kinds, planned_kinds)]
+    warnings = inventory.lora_warnings(run.config, run.spec.model_type) if run.spec is not None else []
+    return "\n".join(lines + warnings)
+
+
+def planned_by_kind(w: Workload) -> dict[str, tuple[int, int]]:
+    """The planner's trainable / total parameters by kind for `w` (params.params_by_kind)."""
+    targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+    return params_by_kind(w.model, w.method, w.lora_r, targets)
+
+
+
 
 
 def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_free_bytes: int | None) -> str | None:
@@ -272,12 +290,12 @@ def check_cpu_run(config: TrainConfig) -> None:
     spec = architecture_of(config.model)
     if config.allow_cpu or spec is None or torch.cuda.is_available():
         return
-    params = count_params(spec).total
+    params, active = count_params(spec).total, count_params(spec).active  # a mixture of experts computes with its active ones
     if params <= CPU_PARAMS_LIMIT:
         return
     tokens = config.micro_batch_size * config.max_seq_len * (config.gradient_accumulation_steps or 1)
     cores = os.cpu_count() or 1
-    seconds = (6 if config.method == "full" else 4) * params * tokens / (CPU_FLOPS_PER_CORE * cores)
+    seconds = (6 if config.method == "full" else 4) * active * tokens / (CPU_FLOPS_PER_CORE * cores)
     raise FinetuneError(
         f"This machine has no GPU: {spec.name} ({params / 1e9:.2f}B parameters) would train on its {cores} CPU cores "
         f"at about {_duration(seconds)} per optimizer step ({tokens:,} tokens; estimated at {CPU_FLOPS_PER_CORE:.0e} "

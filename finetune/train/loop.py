@@ -5,10 +5,15 @@ Strategies (DDP, FSDP2, DeepSpeed ZeRO) arrive inside the prepared `accelerator`
 
 Loss normalization (the decision that makes runs comparable across batch splits and world sizes):
 every target token of an optimizer step weighs the same, whichever micro-batch or rank it sits on.
-The loop counts target tokens over the whole accumulation window on all ranks before the first
-forward, asks the model for `sum(token losses) / global_tokens`, and multiplies by
-`accumulation × world_size` to undo `accelerator.backward`'s division by the accumulation steps and
-the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 × accum 4 ≡ 2 ranks × micro 2.
+The loop counts target tokens over the whole accumulation window on all ranks that read different
+rows before the first forward, asks the model for `sum(token losses) / global_tokens`, and
+multiplies by `accumulation × ranks sharing the tokens` to undo `accelerator.backward`'s division
+by the accumulation steps and the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 ×
+accum 4 ≡ 2 ranks × micro 2 ≡ 2 tensor-parallel ranks × micro 4 (parallel.LossRanks: the ranks of
+a TP group read the same rows; those of a CP group share each row's tokens).
+A mixture of experts' load-balancing loss (added by the model when its config sets
+output_router_logits) is a mean per micro-batch: it is averaged over micro-batches and ranks instead,
+and logged apart from the token loss.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from finetune.config.names import IGNORE_INDEX
+from finetune.train.parallel import LossRanks, sequence_shards
 
 if TYPE_CHECKING:  # the loop calls them; it never needs to build them
     from accelerate import Accelerator
@@ -59,35 +65,49 @@ def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
         yield window
 
 
+def epoch_batches(accelerator: Accelerator, train_loader: DataLoader, progress: Progress,
+                  checkpointer: Checkpointer | None) -> Iterable:
+    """The micro-batches of the epoch `progress` is in, from where it left off: the epoch's order,
+    minus what a resumed run already trained on, with the RNG as the checkpoint saved it."""
+    train_loader.set_epoch(progress.epoch)
+    batches = train_loader
+    if progress.batches_in_epoch:  # resuming mid-epoch: same order, minus what was already trained on
+        batches = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch)
+    if checkpointer is not None:  # after a resume: RNG as saved, once the iterator exists
+        batches = checkpointer.with_rng_restored(batches)
+    return batches
+
+
 def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: DataLoader, *, progress: Progress,
           max_steps: int, max_grad_norm: float, metrics: MetricsRecorder, checkpointer: Checkpointer | None = None,
-          evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> None:
+          evaluate: Callable[[], dict] | None = None, eval_every: int = 0, router_aux_loss_coef: float = 0.0) -> None:
     """Run optimizer updates until `progress.step == max_steps` (or a preemption signal).
 
     `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates;
-    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py).
+    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py);
+    `router_aux_loss_coef` is the weight the model gives its load-balancing loss, if it adds one.
     """
-    accumulation, world_size = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    accumulation, ranks = accelerator.gradient_accumulation_steps, LossRanks(accelerator)
     model.train()
     while progress.step < max_steps:
-        train_loader.set_epoch(progress.epoch)
-        batches = train_loader
-        if progress.batches_in_epoch:  # resuming mid-epoch: same order, minus what was already trained on
-            batches = accelerator.skip_first_batches(train_loader, progress.batches_in_epoch)
-        if checkpointer is not None:  # after a resume: RNG as saved, once the iterator exists
-            batches = checkpointer.with_rng_restored(batches)
-        for window in accumulation_windows(batches, accumulation):
+        for window in accumulation_windows(epoch_batches(accelerator, train_loader, progress, checkpointer), accumulation):
             started, cpu_started = time.perf_counter(), time.process_time()  # the window in hand
             counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
-            global_targets, global_inputs = accelerator.reduce(counts, reduction="sum")
+            global_targets, global_inputs = ranks.sum_over_rows(counts)
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            step_aux = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             grad_norm = None  # clipped on the window's last micro-batch, where the gradients are synced
             for batch in window:
-                with accelerator.accumulate(model):
-                    loss = model(**batch, num_items_in_batch=global_targets).loss  # local sum / global count
-                    accelerator.backward(loss * accumulation * world_size)
+                with accelerator.accumulate(model), sequence_shards(accelerator, batch):
+                    out = model(**batch, num_items_in_batch=global_targets)
+                    aux = getattr(out, "aux_loss", None) if router_aux_loss_coef else None
+                    balance = 0.0 if aux is None else router_aux_loss_coef * aux  # a mean per micro-batch
+                    loss = out.loss - balance  # local sum / global count
+                    accelerator.backward(loss * accumulation * ranks.sharing + balance)
                     step_loss += loss.detach()
+                    if aux is not None:
+                        step_aux += aux.detach() / (accumulation * ranks.sharing)
                     if accelerator.sync_gradients:
                         if max_grad_norm:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -100,7 +120,8 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
             progress.tokens_seen += int(global_targets)
             metrics.record_step(
                 step=progress.step,
-                loss=accelerator.reduce(step_loss, reduction="sum").item(),
+                loss=ranks.sum_over_shares(step_loss).item(),
+                aux_loss=ranks.sum_over_shares(step_aux).item() if router_aux_loss_coef else None,
                 lr=lr,
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens=int(global_inputs),
@@ -128,10 +149,13 @@ def progress_bar(shown: bool) -> dict:
 
 @torch.no_grad()
 def evaluation_loss(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader) -> float:
-    """Token-weighted mean loss over the whole eval set, each example counted once across ranks."""
+    """Token-weighted mean loss over the whole eval set, each example counted once across ranks, or,
+    from a loader Accelerate did not shard (TP, CP: every rank reads every row), once per rank in the
+    count as in the sum. Batches arrive on the device from a prepared loader, else are moved there."""
     sums, counts = [], []
     for batch in tqdm(eval_loader, desc="eval loss", **progress_bar(accelerator.is_main_process)):
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        logits = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}).logits.float()
         targets = batch["labels"][:, 1:]
         token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
         sums.append(token_loss.sum(dim=1))

@@ -46,9 +46,10 @@ class MetricsRecorder:
             keep_records_before_resume(self.path, start_step)
 
     def record_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, seconds: float,
-                    cpu_seconds: float) -> None:
+                    cpu_seconds: float, aux_loss: float | None = None) -> None:
         """One update: `seconds` and `cpu_seconds` (this process's CPU time, which a shared machine's
-        load disturbs far less) from its micro-batches in hand to the update done."""
+        load disturbs far less) from its micro-batches in hand to the update done; `aux_loss`, a
+        mixture of experts' load-balancing loss (mean over micro-batches), apart from `loss`."""
         self.tokens += tokens
         compiled, self.compiled = self.compiled, compile_seconds()
         compiling = min(self.compiled - compiled, seconds)  # the first update of a compiled run, or a recompile
@@ -61,7 +62,8 @@ class MetricsRecorder:
             self.bar.close()  # training is over: its clock stops before the final evaluation's bars
         if step % self.log_every and step != self.max_steps:
             return
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
+        record = {"step": step, "loss": loss, **({} if aux_loss is None else {"aux_loss": aux_loss}),
+                  "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                   "tokens_per_second": tokens_per_second, "compile_seconds": self.compile_seconds,
                   "seconds": seconds, "cpu_seconds": cpu_seconds, **peak_memory_gib()}
         self._write(record)

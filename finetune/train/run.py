@@ -29,7 +29,7 @@ from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConf
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.models import loading
+from finetune.models import inventory, loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
 from finetune.train.accelerator import build_accelerator
@@ -147,7 +147,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
         loading.check_packing_support(model)
     model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
 
-    collator = Collator(tokenizer)
+    collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
     train_loader = train_dataloader(data.train, run.batch, config, collator)
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
     optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
@@ -159,7 +159,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
     checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
     resume(checkpointer, scheduler, progress, run.max_steps)
-    announce(run, accelerator, data, resolved)
+    announce(run, accelerator, data, resolved, accelerator.unwrap_model(model))
     evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
     return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
                    checkpointer, evaluate, resolved)
@@ -185,7 +185,8 @@ def fit(session: Session) -> dict:
     try:
         loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
                    max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
-                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every)
+                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
+                   router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
     finally:
         s.checkpointer.close()  # the preemption signals go back to their handlers
     if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
@@ -215,16 +216,23 @@ def fit(session: Session) -> dict:
     return summary
 
 
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The weight a mixture of experts' forward gives its load-balancing loss: its config's
+    router_aux_loss_coef when output_router_logits is set, else 0 (no such loss is added)."""
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    return float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+
+
 def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) -> int:
     """--max-steps, or the updates of --epochs (whole accumulation windows; see loop.accumulation_windows)."""
-    windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.world_size)) // batch.gradient_accumulation_steps
+    windows_per_epoch = math.ceil(train_examples / (batch.micro_batch_size * batch.data_parallel_size)) // batch.gradient_accumulation_steps
     return config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
 
 
 def resolved_numbers(run: ResolvedRun, model: torch.nn.Module, data: PreparedData) -> dict:
     """What the flags resolved to on this launch: written to run.yaml and every checkpoint's manifest."""
     batch = run.batch
-    trainable, total = loading.parameter_counts(model)
+    trainable, total = inventory.parameter_counts(model)
     return {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
             "global_batch_size": batch.global_batch_size, "max_steps": run.max_steps, "peak_lr": run.peak_lr,
             "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
@@ -248,17 +256,23 @@ def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps:
             say(schedule_change)
 
 
-def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict) -> None:
-    """run.yaml, the run's shape printed as nanoGPT prints its derived numbers, and the trackers."""
+def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict,
+             model: torch.nn.Module) -> None:
+    """run.yaml, the run's shape printed as nanoGPT prints its derived numbers (what trains, by kind),
+    and the trackers."""
     config, batch = run.config, run.batch
     if accelerator.is_main_process:
         save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
     say = accelerator.print
     say(f"model {config.model} ({config.method}): {resolved['trainable_parameters']:,} trainable of "
         f"{resolved['total_parameters']:,} parameters")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    say(inventory.table(inventory.by_kind(model, base.config.model_type)))
+    for warning in inventory.lora_warnings(config, base.config.model_type):
+        say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × world "
-        f"{batch.world_size} = global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
+        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
+        f"= global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 
@@ -275,8 +289,10 @@ def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, c
     if len(data.eval) == 0:
         accelerator.print(f"eval: off ({NO_EVAL_REASON[config.max_eval_examples == 0]})")
         return None
-    # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
-    eval_loader = accelerator.prepare_data_loader(DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator))
+    eval_loader = DataLoader(data.eval, batch_size=micro_batch_size, collate_fn=collator)
+    if config.tp * config.cp == 1:  # under TP/CP every rank evaluates every row (see loop.evaluation_loss)
+        # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
+        eval_loader = accelerator.prepare_data_loader(eval_loader)
     prompts = data.eval_prompts[:generated_prompts(config, len(data.eval_prompts))]
     accelerator.print(f"eval: loss on {len(data.eval):,} examples; "
                       + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
@@ -303,8 +319,12 @@ def save_final(accelerator, model, tokenizer, output_dir: Path) -> None:
     """
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
+    # a model transformers laid out itself (--tp) saves collectively: rank 0 writes, every rank waits
+    collective = getattr(unwrapped.config, "distributed_config", None) is not None
+    if accelerator.is_main_process or collective:
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True,
+                                  is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
+from finetune.plan import gpus as gpu_catalog
 from finetune.plan.memory import GIB, estimate
-from finetune.plan.workload import Workload
+from finetune.plan.moe import expert_bytes
+from finetune.plan.workload import Workload, from_run
 
 if TYPE_CHECKING:
     from finetune.config.names import Strategy
@@ -41,10 +43,12 @@ CHECKS = "full and LoRA fine-tuning with torch's AdamW, on one GPU or FSDP2 with
 
 def cannot_simulate(w: Workload) -> str | None:
     """Why the plan `w` is outside CHECKS, or None when --simulate can run it."""
-    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer)
+    return _outside_checks(w.method, w.strategy, w.offload, w.optimizer, w.model.moe and expert_bytes(w) == 4)
 
 
-def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str) -> str | None:
+def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: str, fp32_experts: bool = False) -> str | None:
+    if fp32_experts:  # -mixed and fp32 runs: the grouped matmuls take the experts' fp32 weights
+        return "a mixture of experts computing in fp32 (torch's fake grouped matmul takes bf16 only)"
     if method == "qlora":
         return "QLoRA (bitsandbytes' 4-bit kernels do not run on fake tensors)"
     if strategy.ddp or strategy.deepspeed:
@@ -63,11 +67,12 @@ class Simulation:
 
 
 def simulate(run: ResolvedRun) -> Simulation:
-    """Peak tracked memory of one GPU over two accumulation micro-steps of `run`. Raises
-    FinetuneError for a run outside CHECKS."""
-    reason = _outside_checks(run.config.method, run.strategy, run.offload, run.config.optimizer)
+    """Peak tracked memory of one GPU over two accumulation micro-steps of `run` (of one rank's share,
+    `one_rank`, under TP or CP). Raises FinetuneError for a run outside CHECKS."""
+    reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
     if reason is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
+    run = one_rank(run)
     if run.strategy.fsdp:
         return _simulate_fsdp(run)
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -83,6 +88,30 @@ def simulate(run: ResolvedRun) -> Simulation:
         with tracker:
             _steps(run, model, optimizer, tracker)
         return _result(tracker)
+
+
+# How a TP or CP rank is simulated, printed beside the comparison.
+ONE_TP_RANK = ("one TP rank, as the slice of the model it holds (1/tp of the heads, KV heads and MLP width), with the LM "
+               "head whole, which TP splits by vocabulary rows: the analytic weights hold 1/tp of it")
+ONE_CP_RANK = "one CP rank, with 1/cp of each row"
+
+
+def one_rank(run: ResolvedRun) -> ResolvedRun:
+    """`run` as one rank of its TP/CP group computes it, without the group's collectives: the slice of
+    each layer a TP rank holds (plan.parallel.rank_spec), 1/cp of each row, FSDP2 over the ranks that
+    shard that slice, and the loss the run resolves (the model's own under TP: config/switches.py)."""
+    from dataclasses import replace
+
+    from finetune.config.parallelism import Parallelism
+    from finetune.plan.parallel import rank_spec
+
+    p = run.parallelism
+    if p.model_parallel == 1:
+        return run
+    config = replace(run.config, max_seq_len=run.config.max_seq_len // p.cp, tp=1, cp=1,
+                     chunked_loss=run.switches().chunked_loss)
+    batch = replace(run.batch, world_size=run.world_size // p.tp, model_parallel=1)
+    return replace(run, spec=rank_spec(run.spec, p.tp), config=config, batch=batch, parallelism=Parallelism())
 
 
 def _as_on_cuda(optimizer):
@@ -148,7 +177,8 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            for layer in base.model.layers:
+            # the units Accelerate's transformer-based wrap makes: every module of a _no_split_modules class
+            for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
             # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
@@ -179,7 +209,8 @@ def compare_text(run: ResolvedRun, w: Workload) -> str:
     simulated = simulate(run)
     analytic = estimate(w)
     lines = [f"Simulated two micro-steps of this run on fake tensors ({w.method}, {w.strategy.label}, "
-             f"{w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}):",
+             f"{w.world_size} rank(s), micro batch {w.micro_batch_size} × {w.seq_len}"
+             + (f"; {ONE_TP_RANK}" if w.tp > 1 else f"; {ONE_CP_RANK}" if w.cp > 1 else "") + "):",
              f"  {'term':<12} {'simulated':>10} {'analytic':>10}  GiB"]
     for term in ("weights", "gradients", "optimizer", "activations", "buffers"):
         lines.append(f"  {term:<12} {simulated.terms.get(term, 0) / GIB:>10.2f} {getattr(analytic, term) / GIB:>10.2f}")

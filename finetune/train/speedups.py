@@ -44,7 +44,7 @@ def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: 
     apply (`head_problem`: what the loaded LM head rules out, models.chunked_loss.head_problem)."""
     switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
-                                model_type=model_type, head_problem=head_problem)
+                                model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp)
     notes = list(switches.notes)
     compile_ = bool(config.compile)  # unmeasured on a GPU: off unless asked for
     attention = "sdpa" if config.attention == "auto" else config.attention  # flex unmeasured on a GPU
