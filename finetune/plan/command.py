@@ -130,7 +130,7 @@ def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] 
 
     if "model" in fields_from_query:
         return request_for(fields_from_query.pop("model"))
-    return [request_for(name) for name in model_catalog.MODELS if name != "tiny"]
+    return [request_for(name) for name in model_catalog.MODELS if name not in model_catalog.CPU_DEMOS]
 
 
 def split_into_nodes(request_fields: dict) -> None:
