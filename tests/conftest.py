@@ -89,10 +89,10 @@ def smollm2_dir() -> Path:
     model cache once (~45 s here) by the code path of `--model smollm2-135m`: the folder every
     smollm2-135m run of the session loads, launched processes included (they inherit
     $FINETUNE_MODEL_CACHE)."""
-    from finetune.config.options import TrainConfig
-    from finetune.models import loading
+    from finetune.models.source import model_source
+    from finetune.train import loading
 
-    return Path(loading.materialize(TrainConfig(model="smollm2-135m")))
+    return Path(loading.materialize(model_source("smollm2-135m")))
 
 
 @pytest.fixture

@@ -393,7 +393,7 @@ def text_rows(tmp_path):
     """memory.py's text rows of 32 tokens, encoded by the builtin tokenizer the random-init checkpoints carry."""
     import baselines
     from finetune.data import BUILTIN_DIR
-    from finetune.models.loading import load_tokenizer
+    from finetune.train.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(BUILTIN_DIR), trust_remote_code=False)
     return tokenizer, baselines.token_rows(tokenizer, memory.write_text_data(tmp_path / "data-32.jsonl", 32), 32)

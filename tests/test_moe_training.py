@@ -11,7 +11,7 @@ from helpers import build_word_run, tiny_model, train_steps, word_tokenizer
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
-from finetune.models import loading
+from finetune.train import loading
 from test_families import TINY, tiny_config
 
 bitsandbytes = pytest.importorskip("bitsandbytes")

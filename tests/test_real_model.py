@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from finetune.models import gguf_import
 from finetune.models.source import model_source
-from finetune.models import loading
+from finetune.train import loading
 from finetune.launch import rehearse
 from finetune.models.catalog import get
 from finetune.config.options import TrainConfig
@@ -119,7 +119,7 @@ def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
 def test_a_second_run_reuses_the_converted_folder(smollm2_dir):
     weights = smollm2_dir / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    assert loading.materialize(TrainConfig(model=str(model_source("smollm2-135m").gguf))) == str(smollm2_dir)
+    assert loading.materialize(model_source(str(model_source("smollm2-135m").gguf))) == str(smollm2_dir)
     assert weights.stat().st_mtime_ns == written
 
 

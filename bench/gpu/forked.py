@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # What every row imports and the server may import too (none of them initialises CUDA).
-PRELOAD = ["finetune.cli", "finetune.train.run", "finetune.models.loading", "transformers.models.llama.modeling_llama",
+PRELOAD = ["finetune.cli", "finetune.train.run", "finetune.train.loading", "transformers.models.llama.modeling_llama",
            "matplotlib.pyplot"]
 CUDA_AFTER_FORK = re.compile(r"Cannot re-initialize CUDA in forked subprocess|CUDA error: initialization error")
 

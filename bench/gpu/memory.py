@@ -150,7 +150,7 @@ def random_checkpoint(model: str, cache: Path, timeout_s: float, runner: RowRunn
         needed = 2 * count_params(catalog_model(model)).total * 1.05
         if shutil.disk_usage(cache).free < needed:
             raise OSError(f"{needed / 2**30:.0f} GiB of disk needed for the random-init {model} in {cache}")
-        code = ("import sys, torch; from pathlib import Path; from finetune.models.loading import materialize_random_init; "
+        code = ("import sys, torch; from pathlib import Path; from finetune.train.loading import materialize_random_init; "
                 "from finetune.models.catalog import get; "
                 "materialize_random_init(get(sys.argv[1]), Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, device='cuda')")
         written = (runner or RowRunner(fork=False)).run(["-c", code, model, str(directory)], cache / f"{model}.log", timeout_s)

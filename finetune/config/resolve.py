@@ -20,6 +20,7 @@ from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
+from finetune.models.source import ModelSource
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
@@ -168,7 +169,7 @@ class ResolvedRun:
     """One training run with nothing left open (see the module docstring)."""
 
     config: TrainConfig  # as given, with what a DeepSpeed JSON's optimizer/scheduler decided (see resolve_run)
-    source: str  # where the weights come from: a local directory or a Hub id
+    model: ModelSource  # what --model is, decided once: where its weights load from (`model.weights`), what writes them
     spec: ModelSpec | None  # the architecture, when the planner can read it without downloading
     batch: BatchShape
     peak_lr: float
@@ -256,7 +257,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
                                     packing=config.packing, attention=config.attention)
     if problems:
         raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
-    return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
+    return ResolvedRun(config=config, model=model, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
                        strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, parallelism=parallelism,
                        given=given, cuda=device.cuda)
 

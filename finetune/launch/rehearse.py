@@ -119,7 +119,7 @@ def shrunk_model_config(config: TrainConfig):
 
 def write_shrunk_model(config: TrainConfig, directory: Path, seed: int = 0) -> Path:
     """Save a seeded random-init shrunk model and the builtin tokenizer to `directory`."""
-    from finetune.models.loading import write_random_init
+    from finetune.train.loading import write_random_init
 
     hf_config, tokenizer = shrunk_model_config(config)
     write_random_init(hf_config, tokenizer, directory, seed)

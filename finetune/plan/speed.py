@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
+from finetune.config.switches import chunk_tokens
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
 from finetune.plan import params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
@@ -77,7 +78,7 @@ CALIBRATION = Calibration(
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
 # Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
-# gradient's scatter and cast, the two gradient matmuls (models/chunked_loss.py).
+# gradient's scatter and cast, the two gradient matmuls (train/chunked_loss.py).
 CHUNK_KERNELS = 18
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
@@ -314,7 +315,7 @@ def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[f
 
 def loss_issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
-    fewer tokens the larger the vocabulary (memory.chunk_tokens), each kernel at a decoder layer's
+    fewer tokens the larger the vocabulary (config.switches.chunk_tokens), each kernel at a decoder layer's
     issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
     if w.loss != "finetune-chunked":
         return 0.0

@@ -102,7 +102,7 @@ def build(run: ResolvedRun) -> Built:
     optim.build_optimizer) on fake tensors, step the optimizer once, and measure them."""
     import torch
 
-    from finetune.models import inventory, loading
+    from finetune.train import inventory, loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
@@ -183,7 +183,7 @@ def dry_run_report(run: ResolvedRun, device: Device, as_json: bool, given: froze
     """`finetune --dry-run`: the plan of this run (the `finetune plan` table or JSON, one plan) with
     the per-GPU bytes the trainer's construction actually holds beside the planned ones, and this
     run's own launch command (the options in `given`) with the command that writes its files."""
-    from finetune.models import inventory
+    from finetune.train import inventory
     from finetune.train.simulate import one_rank
 
     gpu = gpu_of(run, device)

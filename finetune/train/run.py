@@ -29,7 +29,7 @@ from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConf
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.models import inventory, loading
+from finetune.train import inventory, loading
 from finetune.plan import gpus
 from finetune.train import dry_run, loop, ranks
 from finetune.train.accelerator import build_accelerator
@@ -130,13 +130,13 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the
     # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
     # others wait on its file lock.
-    loading.materialize(config)
+    loading.materialize(run.model, config.seed)
     accelerator = build_accelerator(run)
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
     with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
-        tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
+        tokenizer = loading.load_tokenizer(run.model.weights, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     fit_run_to_data(data, tokenizer, {option.replace("_", "-"): getattr(config, option) for option in
                                       ("micro_batch_size", "global_batch_size") if option in run.given})

@@ -26,7 +26,7 @@ import torch
 from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
 from finetune.config.switches import Switches, liger_function, resolve_switches
-from finetune.models import chunked_loss
+from finetune.train import chunked_loss
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Speedups(Switches):
 def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
                     head_problem: str | None = None) -> Speedups:
     """Resolve unset/auto switches for this device, model and strategy, and drop the ones that cannot
-    apply (`head_problem`: what the loaded LM head rules out, models.chunked_loss.head_problem)."""
+    apply (`head_problem`: what the loaded LM head rules out, train.chunked_loss.head_problem)."""
     switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
                                 model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp)

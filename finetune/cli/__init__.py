@@ -16,8 +16,8 @@ from finetune.library_logs import library_logs_to_stderr
 # subcommand → "module:function"; each function takes argv and returns an exit code
 SUBCOMMANDS = {
     "train": "finetune.cli:train",
-    "prepare": "finetune.data.command:main",
-    "plan": "finetune.plan.command:main",
+    "prepare": "finetune.cli.prepare:main",
+    "plan": "finetune.cli.plan:main",
     "export": "finetune.export.command:main",
     "rehearse": "finetune.launch.rehearse:main",
     "slurm": "finetune.launch.slurm:main",
