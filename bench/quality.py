@@ -99,7 +99,7 @@ def padding_table(only: str | None) -> list[dict]:
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
     from finetune.data import prepare_data
     from finetune.data.sampler import UpdateSortedSampler, row_lengths
     from finetune.models.source import model_source

@@ -266,7 +266,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     same checkpoint, rows and shape."""
     import baselines
     import throughput
-    from finetune.config.options import parse_config
+    from finetune.config.flags import parse_config
 
     result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
                              "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from finetune.train import loop
-from finetune.config.options import parse_config
+from finetune.config.flags import parse_config
 from finetune.data import Collator, prepare_data
 from finetune.train.metrics import read_metrics
 

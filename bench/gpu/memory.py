@@ -118,7 +118,7 @@ def predict(row: Row, gpu: str, data: Path | str, output_dir: Path | str) -> dic
     """What `finetune --dry-run --json` prints as plans[0] for the row's training flags (without
     building the model): the planner's prediction for exactly the run those flags resolve to on
     `gpu`. The catalog name stands in for the random-init checkpoint of the same shape."""
-    from finetune.config.options import parse_config
+    from finetune.config.flags import parse_config
     from finetune.plan.report import plan_dict
     from finetune.config.resolve import Device, Launch, resolve_run
     from finetune.train.dry_run import plan_run

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(argv: list[str]) -> int:
     """Parse and validate the flags torch-free, so `--help` and mistakes answer in well under a second,
     then plan (--dry-run) or train."""
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
     from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
     command = parse_command(argv)
@@ -67,10 +67,10 @@ def train(argv: list[str]) -> int:
         quiet_libraries()
         quiet_transformers_bars()
     try:
-        from finetune.train import dry_run, run
+        from finetune.train import fit_check, run
 
         if not command.dry_run:
-            dry_run.check_cpu_run(command.config)  # before the Hub is asked for weights
+            fit_check.check_cpu_run(command.config)  # before the Hub is asked for weights
         return run.main(command)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # every rank gets the Ctrl-C; one message is enough

@@ -8,7 +8,7 @@ the job's GPUs waiting at a barrier.
 
 from __future__ import annotations
 
-from finetune.config.options import parse_config
+from finetune.config.flags import parse_config
 from finetune.data import prepare_data
 from finetune.errors import FinetuneError
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars

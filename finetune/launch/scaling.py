@@ -33,7 +33,8 @@ from pathlib import Path
 
 from finetune.launch import rehearse
 from finetune.plan.gpus import GPUSpec, identify
-from finetune.config.options import TrainConfig, parse_command, save_yaml
+from finetune.config.options import TrainConfig
+from finetune.config.flags import parse_command, save_yaml
 from finetune.errors import FinetuneError
 from finetune.train.metrics import read_metrics
 from finetune.plan.memory import model_states

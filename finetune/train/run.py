@@ -25,13 +25,14 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
-from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
+from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, planned_epochs
+from finetune.config.flags import Command, save_yaml
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
 from finetune.train import inventory, loading
 from finetune.plan import gpus
-from finetune.train import dry_run, loop, ranks
+from finetune.train import dry_run, fit_check, loop, ranks
 from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import MetricsRecorder, plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
@@ -125,7 +126,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     → prepare → checkpointer (resume) → run.yaml and what the run will do, printed."""
     config = run.config
     if device.cuda and config.fit_check:
-        dry_run.check_fit(run, device)  # before any weights load, and before the process group forms
+        fit_check.check_fit(run, device)  # before any weights load, and before the process group forms
     # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
     # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the
     # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
