@@ -261,7 +261,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
              model: torch.nn.Module) -> None:
     """run.yaml, the run's shape printed as nanoGPT prints its derived numbers (what trains, by kind),
     and the trackers."""
-    config, batch = run.config, run.batch
+    config = run.config
     if accelerator.is_main_process:
         save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
     say = accelerator.print
@@ -272,8 +272,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
     for warning in inventory.lora_warnings(config, base.config.model_type):
         say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
-        f"= global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
+        f"{run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")  # the batch shape: build_accelerator's printout
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 
