@@ -69,8 +69,9 @@ def catalog_name(device: Device) -> str:
     return found.name if found else alike[0] if alike else device.name or "GPU"
 
 
-# Sustained fp32 training FLOP/s of one CPU core, from a measured step (DESIGN.md): SmolLM2-135M, LoRA,
-# micro batch 8 × 128, ~5.5 s on 2 cores → 4 × 134.5 M params × 1,024 tokens / 5.5 s / 2 cores.
+# Sustained fp32 training FLOP/s of one CPU core, from one measured step on the 2-core machine the
+# tests run on: SmolLM2-135M, LoRA all-linear, micro batch 8 × 128, ~5.5 s
+# → 4 × 134.5 M params × 1,024 tokens / 5.5 s / 2 cores.
 CPU_FLOPS_PER_CORE = 5e10
 # Above this many parameters a CPU step takes minutes to hours: such a run starts only when asked.
 CPU_PARAMS_LIMIT = 1e9

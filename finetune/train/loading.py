@@ -197,7 +197,9 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
                 param.requires_grad_(False)
     if config.method in ("lora", "qlora"):
         model = _add_lora(model, config)
-    # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
+    # from_pretrained returns eval mode; 4-bit layers must stay in train mode: on CPUs with avx512_bf16,
+    # bitsandbytes repacks 4-bit weights in place in any eval-mode forward without grad, which silently
+    # corrupts a model sharded under FSDP2 (evaluation runs under no_grad in train mode instead)
     model.train()
     return model
 
