@@ -146,7 +146,7 @@ def export_cli(*args: str):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (("--gguf-type", "q8_0"), "--gguf-type: only --format gguf uses it"),  # used to write safetensors and exit 0
+    (("--gguf-type", "q8_0"), "--gguf-type: only --format gguf uses it"),  # not a safetensors export that ignores it
     (("--format", "gguf", "--dtype", "bf16"), "--dtype: not used by --format gguf"),
     (("--format", "gguf", "--merge-lora", "--max-shard-size", "1GB"), "--merge-lora, --max-shard-size: not used by --format gguf"),
 ])

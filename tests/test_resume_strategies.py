@@ -66,7 +66,7 @@ TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
 
 
 def run_strategy(case: str) -> str:
-    """The strategy a run of this case records (vocabulary.STRATEGIES: offload is a setting of it)."""
+    """The strategy a run of this case records (names.STRATEGIES: offload is a setting of it)."""
     return case.removesuffix("_offload").removesuffix("_tp").replace("fsdp2", "fsdp")
 
 

@@ -117,8 +117,8 @@ def rehearse_json(tmp_path: Path, ds_json: dict) -> tuple[rehearsal_outcome.Rehe
 
 
 def test_a_minimal_deepspeed_json_trains_on_2_processes(tmp_path):
-    """Issue 12: `{"zero_optimization": {"stage": 1}}` alone used to stop inside DeepSpeed for want
-    of a batch size; every run-owned key is filled from the run."""
+    """`{"zero_optimization": {"stage": 1}}` alone trains: DeepSpeed would stop for want of a batch
+    size, and every run-owned key is filled from the run."""
     result, _ = rehearse_json(tmp_path, {"zero_optimization": {"stage": 1}})
     assert result.strategy == f"ZeRO-1 {TWO}" and result.losses[-1] < result.losses[0]
     resolved = json.loads((Path(result.output_dir) / "deepspeed_config.json").read_text())

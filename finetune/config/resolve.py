@@ -4,7 +4,7 @@
 machines, strategy, offload, the DeepSpeed JSON) and the device into one frozen `ResolvedRun`.
 Everything downstream reads it instead of re-deriving values: the Accelerator builder, model
 loading, the DeepSpeed resolver, resume identity, the checkpoint manifest, `--dry-run`, the fit
-check and the planner's translation of the run (`planner.workload.from_run`).
+check and the planner's translation of the run (`plan.workload.from_run`).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class ResolvedRun:
 def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: frozenset[str] = EVERY_OPTION) -> ResolvedRun:
     """Decide every open value of `config` for this launch and device.
 
-    `given` names the options the user set (`config.Command.given`); for the others, a DeepSpeed
+    `given` names the options the user set (`config.flags.Command.given`); for the others, a DeepSpeed
     JSON's optimizer and scheduler choices (lr, betas, eps, weight decay, schedule, warmup, length)
     are adopted into the run's config, so the loop, run.yaml, resume identity and the planner all
     see them. By default every option counts as given: a config built in code means what it says.
@@ -286,7 +286,7 @@ def resolve_precision(requested: str, method: str, device: Device, launcher: str
     """The run's Precision. `auto`: fp32 on CPU (so CPU rehearsals compare exact numbers); on a GPU
     the launch's family if it fixes one (the accelerate config's mixed_precision, or a DeepSpeed
     JSON's bf16/fp16 section set to true, or both off: fp32), else bf16 where supported, else fp16 (see
-    `vocabulary.default_precision`). An explicit precision must agree with the launch's family."""
+    `names.default_precision`). An explicit precision must agree with the launch's family."""
     if requested == "auto":
         if not device.cuda:
             precision = PRECISIONS["fp32"]

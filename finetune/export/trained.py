@@ -18,7 +18,7 @@ from finetune.checkpoint.weights import SafetensorsWeights, Weights, open_weight
 
 ADAPTER_CONFIG = "adapter_config.json"
 
-# what a run writes into its output dir besides the final model (run.py, metrics.py, strategies.py)
+# what a run writes into its output dir besides the final model (train/run.py, train/metrics.py, train/accelerator.py)
 RUN_FILES = {"run.yaml", "summary.json", "metrics.jsonl", "loss_curve.png", "deepspeed_config.json", "README.md"}
 
 

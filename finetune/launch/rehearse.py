@@ -230,7 +230,7 @@ def processes_for(accelerate_config: str | None) -> int:
 def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, steps: int = 3,
              timeout_s: float = 900.0, given: frozenset[str] = EVERY_OPTION) -> Rehearsal:
     """Check the real run, then shrink the model, run `steps` updates with a save on CPU processes,
-    and check what came out. `given`: the options the user set (`config.Command.given`)."""
+    and check what came out. `given`: the options the user set (`config.flags.Command.given`)."""
     try:
         real = real_run(config, accelerate_config, given)
     except FinetuneError as e:

@@ -8,7 +8,7 @@ the global batch grows with the processes). Reported per count: tokens/s over th
 warm-up, speedup over one process, scaling efficiency = tokens/s with N ÷ (N × tokens/s with 1),
 and the communication share: one update's gradient all-reduce, timed alone on N processes, over
 the update time (an upper bound for DDP, which overlaps it with the backward). Beside it, the
-efficiency the planner's communication model (planner/speed.py) predicts from the measured
+efficiency the planner's communication model (plan/speed.py) predicts from the measured
 one-process update time and the measured all-reduce: where the two disagree, something other than
 communication costs time (on CPU: processes sharing cores and memory bandwidth).
 

@@ -31,7 +31,7 @@ ALLOCATOR_SLACK = 0.16
 CUDA_CONTEXT_GIB = 0.5
 # NCCL communicators and their channel buffers, per process, when more than one GPU trains.
 NCCL_GIB = 0.5
-# Elements per DeepSpeed communication bucket (reduce, allgather, stage-3 prefetch); launch.py
+# Elements per DeepSpeed communication bucket (reduce, allgather, stage-3 prefetch); plan/files.py
 # writes the same number into the DeepSpeed JSON so the estimate and the run agree.
 DS_BUCKET_ELEMENTS = 50_000_000
 # Bytes per element of one state of each optimizer, None: the trainable weights' dtype.

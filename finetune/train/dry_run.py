@@ -2,7 +2,7 @@
 trainer's own construction holds per GPU (`finetune --dry-run`). fit_check.py holds the check every
 run makes at launch.
 
-`planner.workload.from_run` is the one translation of a run into the planner's `Workload`, so a
+`plan.workload.from_run` is the one translation of a run into the planner's `Workload`, so a
 plan's launch command, `--dry-run` of that command and `plan --simulate` describe the same run.
 `built_states` builds the model and optimizer exactly as training does (loading.build_skeleton:
 same dtype, quantization, PEFT wrapping; optim.build_optimizer stepped once) on fake tensors at full
@@ -93,7 +93,7 @@ class Built:
     trainable_bytes: int
     optimizer_bytes: int  # states the optimizer created on its first step
     buffer_bytes: int  # 4-bit quantization state, rotary tables: replicated on every GPU
-    kinds: dict[str, tuple[int, int]]  # kind → (trainable, total) parameters (models/inventory.by_kind)
+    kinds: dict[str, tuple[int, int]]  # kind → (trainable, total) parameters (train/inventory.by_kind)
 
 
 def build(run: ResolvedRun) -> Built:

@@ -5,9 +5,9 @@ run goes on without it; numerically each is the plain path (tests/test_speedups.
 tests/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
 config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
-Defaults (README's table says which rest on a GPU run): Liger where it can run (TRL SFTTrainer ran
-1.20× faster with it on an H100, bench/RESULTS.md); the chunked loss for LoRA and QLoRA, for the
-logits it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
+Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
+run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
+it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
 its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
 attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
 train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
