@@ -25,7 +25,8 @@ from clock import spread, timed
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
-from finetune.models import catalog, chunked_loss
+from finetune.models import catalog
+from finetune.train import chunked_loss
 from finetune.plan import gpus
 from finetune.plan.memory import GIB, estimate
 from finetune.plan.workload import from_run

@@ -28,10 +28,10 @@ def load_smollm2_folder():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.models import loading
-    from finetune.config.options import TrainConfig
+    from finetune.models.source import model_source
+    from finetune.train import loading
 
-    folder = Path(loading.materialize(TrainConfig(model="smollm2-135m")))
+    folder = Path(loading.materialize(model_source("smollm2-135m")))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, model, AutoTokenizer.from_pretrained(folder)
 

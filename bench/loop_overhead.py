@@ -61,11 +61,10 @@ def time_finetune_loop(data, collator, steps: int, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         config = TrainConfig(output_dir=tmp, micro_batch_size=MICRO_BATCH, max_steps=warmup + steps, lr=1e-3,
                              warmup_steps=0, lr_schedule="constant", max_eval_examples=0)
-        s = setup(*resolve(config))
         clock = WarmupClock(warmup)
-        loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
-                   max_steps=s.max_steps, max_grad_norm=1.0, metrics=clock)
-        s.checkpointer.close()
+        with setup(*resolve(config)) as s:
+            loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
+                       max_steps=s.max_steps, max_grad_norm=1.0, metrics=clock)
     return (time.perf_counter() - clock.started) / steps
 
 

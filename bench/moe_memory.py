@@ -27,7 +27,7 @@ LOAD = """
 import json, sys, threading, time
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from finetune.models.experts_4bit import Nf4ExpertsConfig
+from finetune.train.experts_4bit import Nf4ExpertsConfig
 
 def anonymous_mib():
     return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) // 1024

@@ -13,7 +13,7 @@ import urllib.request
 from urllib.parse import urlencode
 
 from finetune.plan import serve
-from finetune.plan.command import page_answer
+from finetune.cli.plan import page_answer
 
 QUERIES = ["llama-70b qlora on 2x RTX 4090", "llama-2-70b on 2xA100-40GB", "what fits on 2×A100 40GB"]
 

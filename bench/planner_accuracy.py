@@ -4,8 +4,7 @@
 
 Two sets of rows, reported apart:
 - calibration: bench/calibration/measurements.csv (litgpt resource tables and config hub, Qwen's
-  profiling table; a copy of the team's shared planner_calibration/measurements.csv, so a clone
-  runs this as it is). Facts in memory.py were found by looking at these rows.
+  profiling table). Facts in memory.py were found by looking at these rows.
 - held-out: bench/calibration/measurements_extra.csv (Answer.AI fsdp_qlora benchmarks, PEFT's
   FSDP/DeepSpeed docs, torchtune's tutorials and README). Every translation below is a setting
   the source states or its code used at that commit; bench/RESULTS.md names the two coefficients

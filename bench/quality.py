@@ -99,17 +99,19 @@ def padding_table(only: str | None) -> list[dict]:
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
     from finetune.data import prepare_data
     from finetune.data.sampler import UpdateSortedSampler, row_lengths
-    from finetune.models import loading
+    from finetune.models.source import model_source
+    from finetune.train import loading
 
     rows = []
     for name, flags, splits in PADDING:
         if only and name != only:
             continue
         config = parse_command(flags).config
-        tokenizer = loading.load_tokenizer(loading.materialize(config), trust_remote_code=False)
+        tokenizer = loading.load_tokenizer(loading.materialize(model_source(config.model, config.output_dir), config.seed),
+                                           trust_remote_code=False)
         lengths = row_lengths(prepare_data(config, tokenizer).train)
         for micro, update in splits:
             uniform = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()

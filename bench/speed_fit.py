@@ -8,8 +8,8 @@ how far the model carries: errors on rows, shape families and chips it was not f
 Rows: finetune's runs in bench/gpu/measured/*.csv (one H100 80GB; other programs' rows there are
 shown, and the ratio of TRL SFTTrainer with and without `use_liger_kernel` is fitted, since finetune
 has no Liger run yet) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB
-(bench/calibration/speed_llamafactory_a100_40gb.csv, a copy of shared/speed_calibration/; its
-Unsloth rows are shown, not fitted). Another program's rows are planned with the GPU clock only:
+(bench/calibration/speed_llamafactory_a100_40gb.csv, from LLaMA-Factory's wiki; its Unsloth rows
+are shown, not fitted). Another program's rows are planned with the GPU clock only:
 its host and software stack are not ours, so our host's issue time says nothing about them.
 
 The fit: least squares on log errors over the coefficients in log space, with a weak prior per

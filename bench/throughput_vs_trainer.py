@@ -51,10 +51,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.models import loading
 from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
+from finetune.models.source import model_source
+from finetune.train import loading
 
 MODEL = "smollm2-135m"
 DATASET = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
@@ -184,7 +185,7 @@ def measure(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float], st
 
 def measure_here(tool: str, steps: int, warmup: int) -> tuple[tuple[float, float], str]:
     """A Trainer's measurement in this process, which `measure` started for it."""
-    source = loading.materialize(TrainConfig(model=MODEL))
+    source = loading.materialize(model_source(MODEL))
     tokenizer = loading.load_tokenizer(source, trust_remote_code=False)
     if tool == "TRL SFTTrainer":
         return sft_tokens_per_second(source, tokenizer, steps, warmup)
@@ -215,7 +216,7 @@ def main() -> None:
         Path(args.result).write_text(json.dumps(measure_here(args.tool, args.steps, args.warmup)))
         return
 
-    tokenizer = loading.load_tokenizer(loading.materialize(TrainConfig(model=MODEL)), trust_remote_code=False)
+    tokenizer = loading.load_tokenizer(loading.materialize(model_source(MODEL)), trust_remote_code=False)
     with tempfile.TemporaryDirectory() as cache:
         mean_len = statistics.mean(len(ids) for ids in tokenized_rows(tokenizer, cache)["input_ids"])
     tools = list(TOOLS)

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,17 +53,13 @@ def tokenizer():
 @pytest.fixture
 def make_run(tmp_path):
     """make(**flags) → the Session `train.setup` builds for a tiny run in tmp_path/out (see
-    helpers.build_word_run; resumed when the flags say so); their signal handlers are restored afterwards."""
-    runs = []
+    helpers.build_word_run; resumed when the flags say so), closed after the test, newest first."""
+    with ExitStack() as sessions:
+        def make(**flags):
+            reset_accelerate()
+            return sessions.enter_context(build_word_run(tmp_path / "out", **flags))
 
-    def make(**flags):
-        reset_accelerate()
-        runs.append(build_word_run(tmp_path / "out", **flags))
-        return runs[-1]
-
-    yield make
-    for run in reversed(runs):  # each restores the signal handlers it found
-        run.checkpointer.close()
+        yield make
 
 
 @pytest.fixture(scope="session")
@@ -89,10 +86,10 @@ def smollm2_dir() -> Path:
     model cache once (~45 s here) by the code path of `--model smollm2-135m`: the folder every
     smollm2-135m run of the session loads, launched processes included (they inherit
     $FINETUNE_MODEL_CACHE)."""
-    from finetune.config.options import TrainConfig
-    from finetune.models import loading
+    from finetune.models.source import model_source
+    from finetune.train import loading
 
-    return Path(loading.materialize(TrainConfig(model="smollm2-135m")))
+    return Path(loading.materialize(model_source("smollm2-135m")))
 
 
 @pytest.fixture

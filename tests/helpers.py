@@ -115,7 +115,8 @@ def word_run_model(folder: Path, shape: str = "tiny") -> Path:
 def build_word_run(output_dir: Path, method: str = "full", shape: str = "tiny", **flags):
     """`train.setup` of a tiny run: the model (`shape` shrunk) in `<output_dir>/base_model`, WORD_RUN_ROWS
     rows of WORD_RUN_WORDS words, eval off, lr 1e-3 and LoRA rank 4 unless `flags` say otherwise; resumed
-    when `flags` ask for it. The checkpoint and export tests step it with `train_steps`."""
+    when `flags` ask for it. A Session, to close (`with`, or conftest's make_run). The checkpoint and
+    export tests step it with `train_steps`."""
     from finetune.config.options import TrainConfig
     from finetune.train.run import resolve, setup
 

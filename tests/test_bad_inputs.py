@@ -426,7 +426,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """The catalog's `tiny` model, written once as a model directory (config, weights, tokenizer)."""
-    from finetune.models import loading
+    from finetune.train import loading
     from finetune.models.catalog import get
 
     folder = tmp_path_factory.mktemp("models") / "tiny-model"

@@ -1,4 +1,4 @@
-"""The chunked loss (models/chunked_loss.py) is the model's own loss, computed without the logits and
+"""The chunked loss (train/chunked_loss.py) is the model's own loss, computed without the logits and
 only where there are targets: same loss and gradients for every architecture it covers, in every
 precision, with ignored tokens and token-weighted normalisation; untouched forwards without labels;
 and a word where it cannot run (where it runs is tests/test_switches.py's)."""
@@ -13,8 +13,8 @@ from helpers import tiny_model
 
 from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, STRATEGIES
 from finetune.config.options import TrainConfig
-from finetune.models import chunked_loss
-from finetune.models.loading import prepare_for_training
+from finetune.train import chunked_loss
+from finetune.train.loading import prepare_for_training
 from finetune.plan import memory
 from finetune.train.speedups import apply_speedups
 

@@ -1,5 +1,5 @@
 """Every function in the package fits on one screen (≤ 60 lines, def to last line, docstring
-included), so the top-to-bottom reading STYLE.md asks for stays possible."""
+included), so each one still reads top to bottom in one sitting."""
 
 from __future__ import annotations
 

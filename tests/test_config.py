@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from finetune.errors import ConfigError
-from finetune.config.options import (TrainConfig, build_parser, parse_config, planned_epochs, resolve_batch_shape,
-                             save_yaml, scaled_lr)
+from finetune.config.options import TrainConfig, planned_epochs, resolve_batch_shape, scaled_lr
+from finetune.config.flags import build_parser, parse_config, save_yaml
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):

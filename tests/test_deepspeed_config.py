@@ -10,7 +10,8 @@ from helpers import REPO
 from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.checkpoint.identity import resume_identity
-from finetune.config.options import BatchShape, TrainConfig, parse_command
+from finetune.config.options import BatchShape, TrainConfig
+from finetune.config.flags import parse_command
 from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, resolve_run
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-80GB", bf16=True)

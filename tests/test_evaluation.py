@@ -13,7 +13,8 @@ from finetune.errors import ConfigError
 from finetune import cli
 from finetune.train import loop
 from finetune.train import run
-from finetune.config.options import TrainConfig, parse_config
+from finetune.config.options import TrainConfig
+from finetune.config.flags import parse_config
 from finetune.train.metrics import read_metrics
 
 SHORT = ["--max-steps", "2", "--micro-batch-size", "4", "--warmup-steps", "1", "--log-every", "1", "--num-samples", "1"]

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.errors import CheckpointError
 from finetune.cli import main as cli
-from finetune.export.safetensors import export, find_trained, parse_size
+from finetune.export.safetensors import export, parse_size
+from finetune.export.trained import find_trained
 
 TOKENS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6]])
 
@@ -84,7 +85,7 @@ def test_export_refusals(make_run, tmp_path):
 
 
 def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_run, tmp_path):
-    from finetune.config.options import save_yaml
+    from finetune.config.flags import save_yaml
     from finetune.train.run import save_final
 
     run = make_run(save_every=2)
@@ -145,7 +146,7 @@ def export_cli(*args: str):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (("--gguf-type", "q8_0"), "--gguf-type: only --format gguf uses it"),  # used to write safetensors and exit 0
+    (("--gguf-type", "q8_0"), "--gguf-type: only --format gguf uses it"),  # not a safetensors export that ignores it
     (("--format", "gguf", "--dtype", "bf16"), "--dtype: not used by --format gguf"),
     (("--format", "gguf", "--merge-lora", "--max-shard-size", "1GB"), "--merge-lora, --max-shard-size: not used by --format gguf"),
 ])

@@ -87,7 +87,7 @@ def test_family_entry_matches_the_model_transformers_builds(model_type):
 def test_lora_on_every_family_trains_what_the_planner_counts(model_type):
     peft = pytest.importorskip("peft")
     from finetune.config.options import TrainConfig
-    from finetune.models.loading import lora_config
+    from finetune.train.loading import lora_config
 
     config, fam = tiny_config(model_type), families.FAMILIES[model_type]
     spec = spec_from_config(config, model_type)

@@ -4,7 +4,7 @@ export, the fit check, and `finetune doctor`.
 
 Marked `gpu`: `bench/gpu/run.sh` runs them on a lent GPU (`pytest -m gpu`); CI deselects them
 (`-m "not slow and not gpu"`); without CUDA they are skipped with that reason. They use the
-trainer's `--precision` flag and its fit check (issue 8, the lead's change).
+trainer's `--precision` flag and its fit check.
 """
 
 import json

@@ -266,7 +266,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     same checkpoint, rows and shape."""
     import baselines
     import throughput
-    from finetune.config.options import parse_config
+    from finetune.config.flags import parse_config
 
     result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
                              "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)
@@ -393,7 +393,7 @@ def text_rows(tmp_path):
     """memory.py's text rows of 32 tokens, encoded by the builtin tokenizer the random-init checkpoints carry."""
     import baselines
     from finetune.data import BUILTIN_DIR
-    from finetune.models.loading import load_tokenizer
+    from finetune.train.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(BUILTIN_DIR), trust_remote_code=False)
     return tokenizer, baselines.token_rows(tokenizer, memory.write_text_data(tmp_path / "data-32.jsonl", 32), 32)

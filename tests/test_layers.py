@@ -1,5 +1,6 @@
-"""The package's import graph: no cycle (function-level imports included) and every import points down
-the layer order README's layout section gives, so a reader can start at the bottom and never climb back."""
+"""The package's import graph, folder by folder: every import (function-level ones included) points down
+the order FOLDERS states, so no two folders import each other, no module imports itself back through
+others, and a reader can start at the bottom and never climb back."""
 
 from __future__ import annotations
 
@@ -8,21 +9,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-# Bottom to top. A module's layer is that of the longest prefix listed; `*.command` modules (the CLI's
-# subcommands) sit with the CLI and may import from any folder.
-LAYERS = [
-    ("finetune", "finetune.errors", "finetune.library_logs"),
-    ("finetune.config.names", "finetune.models.families", "finetune.models.catalog", "finetune.models.gguf_import",
-     "finetune.models.source", "finetune.plan.gpus"),
-    ("finetune.config",),
-    ("finetune.models", "finetune.data", "finetune.checkpoint", "finetune.plan"),
-    ("finetune.train",),
-    ("finetune.launch", "finetune.export"),
-    ("finetune.cli", "finetune.__main__"),
+# Bottom to top: a folder imports only from the rows below its own, never from its own row's others.
+# The top-level modules (the package's own __init__, errors.py, library_logs.py, __main__.py) count
+# as folders of one module.
+FOLDERS = [
+    ("finetune", "errors", "library_logs"),  # the version, every error class, where libraries' logs go
+    ("models",),  # what --model is: catalog, families, source, GGUF import
+    ("config",),  # what the user asks for: options, names, switches, DeepSpeed JSON, resolve → ResolvedRun
+    ("data", "checkpoint", "plan"),  # rows to train on; checkpoints on disk; the planner
+    ("train",),  # the model loaded, setup, the loop, dry run, simulation
+    ("launch", "export"),  # rehearse, slurm, ray, scaling, doctor; safetensors, GGUF, model card, hub
+    ("cli",),  # the command line: the subcommand table, `finetune prepare`, `finetune plan` and its page
+    ("__main__",),  # `python -m finetune`
 ]
-TOP = len(LAYERS) - 1
 # folders that must answer without torch: they may import these libraries only inside functions
-TORCH_FREE = ("finetune/config", "finetune/plan")
+TORCH_FREE = ("finetune/models", "finetune/config", "finetune/plan")
 HEAVY = ("torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "deepspeed")
 
 
@@ -54,22 +55,42 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return {m for m in found if m in known and m != name}
 
 
-def layer(name: str) -> int:
-    if name.endswith(".command"):
-        return TOP
-    best, rank = -1, -1
-    for index, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
-                best, rank = len(prefix), index
-    assert rank >= 0, f"{name} is in no layer: add its folder to LAYERS"
-    return rank
+def folder(name: str) -> str:
+    """finetune.train.loop → train; finetune.errors → errors; finetune → finetune."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_imports_point_down_the_layers():
-    known = modules()
-    upward = [f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
-              for name, path in known.items() for target in sorted(imported(name, path, known)) if layer(target) > layer(name)]
+def row(folder_name: str) -> int:
+    found = [index for index, names in enumerate(FOLDERS) if folder_name in names]
+    assert found, f"{folder_name} is in no row of FOLDERS: add it where its imports put it"
+    return found[0]
+
+
+def folder_imports(known: dict[str, Path]) -> dict[tuple[str, str], list[str]]:
+    """(importing folder, imported folder) → the module imports that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, path in known.items():
+        for target in sorted(imported(name, path, known)):
+            if folder(name) != folder(target):
+                edges.setdefault((folder(name), folder(target)), []).append(f"{name} imports {target}")
+    return edges
+
+
+def test_every_folder_has_a_row():
+    for name in modules():
+        row(folder(name))
+
+
+def test_no_two_folders_import_each_other():
+    edges = folder_imports(modules())
+    both_ways = [f"{a} ↔ {b}: " + "; ".join(edges[a, b] + edges[b, a]) for a, b in edges if (b, a) in edges and a < b]
+    assert not both_ways, "\n".join(both_ways)
+
+
+def test_imports_point_down_the_folder_order():
+    upward = [f"{a} (row {row(a)}) → {b} (row {row(b)}): " + "; ".join(found)
+              for (a, b), found in folder_imports(modules()).items() if row(b) >= row(a)]
     assert not upward, "\n".join(upward)
 
 
@@ -95,8 +116,8 @@ def test_no_import_cycle():
 
 def test_torch_free_folders_import_no_heavy_library_at_module_level():
     offenders = []
-    for folder in TORCH_FREE:
-        for path in (PACKAGE.parent / folder).rglob("*.py"):
+    for torch_free in TORCH_FREE:
+        for path in (PACKAGE.parent / torch_free).rglob("*.py"):
             for node in ast.parse(path.read_text()).body:  # module level only: functions may import lazily
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
@@ -104,9 +125,13 @@ def test_torch_free_folders_import_no_heavy_library_at_module_level():
     assert not offenders, "\n".join(offenders)
 
 
-def test_the_layer_test_sees_an_upward_import(tmp_path):
-    """The check itself can fail: a config module importing the trainer is reported."""
+def test_the_layer_test_sees_an_upward_import_and_a_pair(tmp_path):
+    """The checks themselves can fail: a config module importing the trainer is an upward edge, and with
+    the trainer importing config back, a pair of folders that import each other."""
     known = {"finetune.config.options": tmp_path / "options.py", "finetune.train.run": tmp_path / "run.py"}
     known["finetune.config.options"].write_text("def f():\n    from finetune.train import run\n")
+    known["finetune.train.run"].write_text("from finetune.config.options import f\n")
     assert imported("finetune.config.options", known["finetune.config.options"], known) == {"finetune.train.run"}
-    assert layer("finetune.train.run") > layer("finetune.config.options")
+    edges = folder_imports(known)
+    assert set(edges) == {("config", "train"), ("train", "config")}
+    assert row("train") > row("config")

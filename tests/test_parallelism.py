@@ -309,7 +309,7 @@ def test_the_chunked_loss_takes_a_context_parallel_batch_as_the_models_own_loss_
     import torch
 
     from finetune.data.collate import Collator
-    from finetune.models import chunked_loss
+    from finetune.train import chunked_loss
     from helpers import tiny_model
 
     rows = [{"input_ids": list(range(3, 12)), "labels": [-100] * 3 + list(range(6, 12))},

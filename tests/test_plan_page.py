@@ -19,7 +19,7 @@ import pytest
 
 from finetune.models import catalog
 from finetune.plan import serve
-from finetune.plan.command import page_answer
+from finetune.cli.plan import page_answer
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"PYTHONPATH": str(REPO)}

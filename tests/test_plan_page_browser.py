@@ -20,7 +20,7 @@ import pytest
 
 from finetune.models import catalog as model_catalog
 from finetune.plan import serve
-from finetune.plan.command import page_answer
+from finetune.cli.plan import page_answer
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("FINETUNE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,7 +1,7 @@
 """One plan, one run: what `finetune plan` promises is what the trainer builds and runs.
 
 - The contract grid: catalog models × full/LoRA/QLoRA × every strategy (± offload), each built at
-  full size on fake tensors through the trainer's own construction (modeling.build_skeleton,
+  full size on fake tensors through the trainer's own construction (loading.build_skeleton,
   optim.build_optimizer): the weights, gradients and optimizer bytes one GPU holds equal the
   planner's terms within 2 %.
 - A plan's launch command, parsed as `finetune` parses it under the plan's accelerate config,
@@ -30,7 +30,8 @@ from finetune.plan.files import launch_command, write_configs
 from finetune.plan.memory import GIB, estimate, place_states
 from finetune.plan.workload import from_run
 from finetune.config.resolve import Device, Launch, resolve_run
-from finetune.train.dry_run import build, built_states, fit_problem, run_of_plan
+from finetune.train.dry_run import build, built_states, run_of_plan
+from finetune.train.fit_check import fit_problem
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-80GB", bf16=True)
 T4 = Device(cuda=True, name="Tesla T4", bf16=False)
@@ -203,7 +204,7 @@ def test_dry_run_prints_this_runs_command_and_what_writes_its_files(tmp_path, mo
     import shlex
 
     from finetune.cli import main as cli_main
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
     from finetune.train.dry_run import device_of
 
     flags = ["--model", "tiny", "--method", "full", "--gpu", "A100-40GB", "--dataset", str(tmp_path / "my data.jsonl"),
@@ -229,7 +230,7 @@ def test_dry_run_prints_this_runs_command_and_what_writes_its_files(tmp_path, mo
 def test_dry_run_of_one_process_needs_no_files():
     import shlex
 
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
 
     flags = ["--model", "tiny", "--gpu", "T4", "--lr", "0.001", "--max-steps", "3"]
     only = dry_run_json(*flags)["plans"][0]
@@ -264,7 +265,8 @@ def test_fit_check_suggests_a_plan_command_that_runs_when_pasted(name, memory_gi
     import shlex
 
     from finetune.cli import main as cli_main
-    from finetune.train.dry_run import FitError, check_fit
+    from finetune.errors import FitError
+    from finetune.train.fit_check import check_fit
 
     device = Device(cuda=True, name=name, bf16=True, free_bytes=2**30, total_bytes=int(memory_gib * GIB))
     run = resolve_run(TrainConfig(model="llama-7b", method="lora"), Launch(), device)
@@ -349,8 +351,8 @@ REHEARSED_PLANS = {  # the three shapes the planner writes: a plain launch, FSDP
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REHEARSED_PLANS))
 def test_written_plan_rehearses_on_cpu(name, tmp_path):
-    from finetune.launch import rehearse
-    from finetune.config.options import parse_config
+    from finetune.launch import rehearsal_outcome, rehearse
+    from finetune.config.flags import parse_config
     from finetune.plan.files import train_flags
 
     request, strategy = REHEARSED_PLANS[name]
@@ -359,7 +361,7 @@ def test_written_plan_rehearses_on_cpu(name, tmp_path):
     # the plan's own training flags, as `finetune rehearse` takes them beside the written config
     config = parse_config(train_flags(plans[best].workload))
     result = rehearse.rehearse(config, str(tmp_path / "plan" / "accelerate.yaml"), tmp_path / "rehearsal", steps=2)
-    assert result.passed, rehearse.format_report(result, 2) + "\n" + result.log[-3000:]
+    assert result.passed, rehearsal_outcome.format_report(result, 2) + "\n" + result.log[-3000:]
     assert result.strategy == strategy and len(result.losses) == 2
 
 

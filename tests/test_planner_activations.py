@@ -23,7 +23,7 @@ from finetune.plan.workload import Workload
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-loading = pytest.importorskip("finetune.models.loading")  # imports torch and transformers
+loading = pytest.importorskip("finetune.train.loading")  # imports torch and transformers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

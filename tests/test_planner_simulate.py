@@ -85,7 +85,7 @@ def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_p
     checks, then simulates the best-ranked plan it can run (or says that none is one)."""
     from finetune.models.source import resolve_model
     from finetune.plan.choose import Request, plan
-    from finetune.plan.command import simulation_text
+    from finetune.cli.plan import simulation_text
 
     spec = resolve_model(shrunk_model(tmp_path / "model", "llama-7b", 2))
     plans, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", offload="none", seq_len=512))

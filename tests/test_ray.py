@@ -20,7 +20,7 @@ import pytest
 from helpers import REPO
 
 from finetune.cli import main as cli_main
-from finetune.config.options import parse_command
+from finetune.config.flags import parse_command
 from finetune.config.resolve import Launch
 from finetune.errors import ConfigError, ReportedElsewhere
 from finetune.launch import ray_train

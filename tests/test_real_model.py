@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from finetune.models import gguf_import
 from finetune.models.source import model_source
-from finetune.models import loading
-from finetune.launch import rehearse
+from finetune.train import loading
+from finetune.launch import rehearsal_outcome, rehearse
 from finetune.models.catalog import get
 from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
@@ -119,7 +119,7 @@ def test_converted_model_matches_the_catalog_and_answers(smollm2_dir):
 def test_a_second_run_reuses_the_converted_folder(smollm2_dir):
     weights = smollm2_dir / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    assert loading.materialize(TrainConfig(model=str(model_source("smollm2-135m").gguf))) == str(smollm2_dir)
+    assert loading.materialize(model_source(str(model_source("smollm2-135m").gguf))) == str(smollm2_dir)
     assert weights.stat().st_mtime_ns == written
 
 
@@ -186,7 +186,7 @@ def test_qlora_trains_the_real_weights(smollm2_dir, chats, tmp_path):
         assert len(adapter.keys()) == 2 * 30 * 7  # lora_A and lora_B of every projection
 
 
-def launch(accelerate_config: str, chats: Path, out: Path) -> rehearse.Rehearsal:
+def launch(accelerate_config: str, chats: Path, out: Path) -> rehearsal_outcome.Rehearsal:
     """`accelerate launch --config_file accelerate_configs/<file>` of a 2-process real-model run of
     STEPS updates with a checkpoint at the end, checked like a rehearsal."""
     run_yaml = out.parent / f"{out.name}.yaml"

@@ -12,8 +12,9 @@ import pytest
 from helpers import REPO
 
 from finetune.errors import ConfigError
-from finetune.launch import rehearse
-from finetune.config.options import TrainConfig, base_lr, parse_command
+from finetune.launch import rehearsal_outcome, rehearse
+from finetune.config.options import TrainConfig, base_lr
+from finetune.config.flags import parse_command
 
 
 @pytest.mark.parametrize(("model", "model_class", "kv_heads"), [
@@ -105,7 +106,7 @@ def test_failures_are_explained_from_the_error_that_ended_the_run():
     log = ("...\n[rank0]: finetune train: error: DeepSpeed config does not match the run:\n"
            "  - zero3.json: gradient_accumulation_steps=8 but --gradient-accumulation-steps 2\n"
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
-    assert rehearse.explain_failure(log, 1).splitlines() == [
+    assert rehearsal_outcome.explain_failure(log, 1).splitlines() == [
         'The DeepSpeed JSON disagrees with the run\'s flags. Write "auto" for values finetune owns '
         "(batch sizes, accumulation, clipping, precision).",
         "    error: finetune train: error: DeepSpeed config does not match the run:",
@@ -114,9 +115,9 @@ def test_failures_are_explained_from_the_error_that_ended_the_run():
     # a word from a printed config (here "nvme_path") must not be taken for the cause
     accelerate_refusal = ('{"offload_param": {"nvme_path": null}}\n[rank1]: ValueError: When using deepspeed_config_file, '
                           "the following accelerate config variables will be ignored: ['mixed_precision']\n")
-    assert rehearse.explain_failure(accelerate_refusal, 1).startswith("The accelerate config sets values that Accelerate")
-    assert rehearse.explain_failure("RuntimeError: boom\n", 1) == "The run failed: RuntimeError: boom"
-    assert rehearse.explain_failure("exitcode  : -9 (pid: 7)\nSignal 9 (SIGKILL) received by PID 7\n", -9).startswith(
+    assert rehearsal_outcome.explain_failure(accelerate_refusal, 1).startswith("The accelerate config sets values that Accelerate")
+    assert rehearsal_outcome.explain_failure("RuntimeError: boom\n", 1) == "The run failed: RuntimeError: boom"
+    assert rehearsal_outcome.explain_failure("exitcode  : -9 (pid: 7)\nSignal 9 (SIGKILL) received by PID 7\n", -9).startswith(
         "A process ran out of CPU memory")
 
 
@@ -133,7 +134,7 @@ def test_a_validation_error_is_kept_whole_with_the_field_it_names():
         printed = "".join(traceback.format_exception(e))
     log = "".join(f"[rank1]: {line}\n" for line in printed.splitlines())
     log += "E1125 14:00:00.000 1 torch/distributed/elastic/multiprocessing/api.py] failed (exitcode: 1)\n"
-    explained = rehearse.explain_failure(log, 1)
+    explained = rehearsal_outcome.explain_failure(log, 1)
     assert "ValidationError: 1 validation error for DeepSpeedZeroConfig" in explained
     assert "offload_optimizer.pin_memory" in explained and "valid boolean" in explained
     assert "exitcode" not in explained and "[rank1]" not in explained.split("\n", 2)[-1]
@@ -145,7 +146,7 @@ def test_inspect_run_finds_empty_adapters_and_missing_checkpoints(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 4.0 - s, "lr": 0.1}) + "\n" for s in (1, 2)))
     save_file({"lora_A": torch.zeros(0, 4)}, tmp_path / "adapter_model.safetensors")
-    result = rehearse.inspect_run(tmp_path, steps=2, log="")
+    result = rehearsal_outcome.inspect_run(tmp_path, steps=2, log="")
     assert not result.passed and result.strategy == "did not start training" and result.losses == [3.0, 2.0]
     assert result.problems == [
         "adapter_model.safetensors is empty: the sharded model was saved without gathering its weights",

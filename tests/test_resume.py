@@ -50,13 +50,13 @@ def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> 
                          method="lora", lora_dropout=0.1, micro_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=STEPS, warmup_steps=2, log_every=1, save_every=100, resume=resume,
                          max_eval_examples=0, save_final=False)
-    session = setup(*resolve(config))
-    if stop_at is not None:
-        preempt_after(session.optimizer, stop_at)
-    fit(session)
-    assert session.progress.step == (stop_at or STEPS)
+    with setup(*resolve(config)) as session:
+        if stop_at is not None:
+            preempt_after(session.optimizer, stop_at)
+        fit(session)
+        assert session.progress.step == (stop_at or STEPS)
+        weights = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
     losses = {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
-    weights = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
     return [losses[s] for s in sorted(losses)], weights
 
 

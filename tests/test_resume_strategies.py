@@ -66,7 +66,7 @@ TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
 
 
 def run_strategy(case: str) -> str:
-    """The strategy a run of this case records (vocabulary.STRATEGIES: offload is a setting of it)."""
+    """The strategy a run of this case records (names.STRATEGIES: offload is a setting of it)."""
     return case.removesuffix("_offload").removesuffix("_tp").replace("fsdp2", "fsdp")
 
 
@@ -174,7 +174,7 @@ def logits_of(folder: Path, method: str, base: Path | None = None) -> torch.Tens
     else:
         from peft import PeftModel
 
-        from finetune.models.loading import nf4_config
+        from finetune.train.loading import nf4_config
 
         quantization = {"quantization_config": nf4_config(torch.float32)} if method == "qlora" else {}
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **quantization), folder)

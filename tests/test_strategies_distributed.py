@@ -18,8 +18,8 @@ from helpers import REPO
 from safetensors.torch import load_file
 import yaml
 
-from finetune.launch import rehearse
-from finetune.config.options import parse_command
+from finetune.launch import rehearsal_outcome, rehearse
+from finetune.config.flags import parse_command
 from finetune.train.accelerator import free_port
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,9 @@ ADAPTER_TENSORS = {"tiny": 2 * 7 * 2, "tiny-moe": 2 * (4 + 2) * 2}
 @pytest.fixture(scope="module")
 def rehearsed(tmp_path_factory):
     """name → Rehearsal, each run once on first use and shared by the tests below."""
-    results: dict[str, rehearse.Rehearsal] = {}
+    results: dict[str, rehearsal_outcome.Rehearsal] = {}
 
-    def run(name: str) -> rehearse.Rehearsal:
+    def run(name: str) -> rehearsal_outcome.Rehearsal:
         if name not in results:
             accelerate_config, flags = REHEARSALS[name]
             workdir = tmp_path_factory.mktemp(name)
@@ -84,7 +84,7 @@ def rehearsed(tmp_path_factory):
 @pytest.mark.parametrize("name", list(REHEARSALS))
 def test_shipped_config_rehearses_on_cpu(name, rehearsed):
     result = rehearsed(name)
-    assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
+    assert result.passed, rehearsal_outcome.format_report(result, STEPS) + "\n" + result.log[-4000:]
     assert result.strategy == STRATEGY[name]
     run_dir = Path(result.output_dir)
     flags = REHEARSALS[name][1]
@@ -93,7 +93,7 @@ def test_shipped_config_rehearses_on_cpu(name, rehearsed):
     if model == "tiny":  # 3 updates of tiny-moe's adapters meet batches of different lengths: it checks the adapters
         assert result.losses[-1] < result.losses[0]
     if "--method" in flags:  # LoRA / QLoRA: a non-empty adapter, never an empty shell
-        tensors, values = rehearse.safetensors_content(run_dir / "adapter_model.safetensors")
+        tensors, values = rehearsal_outcome.safetensors_content(run_dir / "adapter_model.safetensors")
         assert tensors == ADAPTER_TENSORS[model] and values > 0
     if model != "tiny":  # every LoRA B (zero at the start) moved: the experts' adapters trained on every rank's data
         adapter = load_file(run_dir / "adapter_model.safetensors")
@@ -105,20 +105,20 @@ def test_shipped_config_rehearses_on_cpu(name, rehearsed):
                 resolved["train_batch_size"]) == (2, 2, 8)
 
 
-def rehearse_json(tmp_path: Path, ds_json: dict) -> tuple[rehearse.Rehearsal, dict]:
+def rehearse_json(tmp_path: Path, ds_json: dict) -> tuple[rehearsal_outcome.Rehearsal, dict]:
     """`finetune rehearse --config_file ddp.yaml --model tiny --deepspeed X.json` as a user types it;
     the rehearsal and the run.yaml its training processes read."""
     (tmp_path / "user.json").write_text(json.dumps(ds_json))
     command = parse_command(["--model", "tiny", "--deepspeed", str(tmp_path / "user.json")])
     result = rehearse.rehearse(command.config, str(REPO / "accelerate_configs" / "ddp.yaml"), tmp_path / "w",
                                steps=STEPS, given=command.given)
-    assert result.passed, rehearse.format_report(result, STEPS) + "\n" + result.log[-4000:]
+    assert result.passed, rehearsal_outcome.format_report(result, STEPS) + "\n" + result.log[-4000:]
     return result, yaml.safe_load((Path(result.output_dir) / "run.yaml").read_text())
 
 
 def test_a_minimal_deepspeed_json_trains_on_2_processes(tmp_path):
-    """Issue 12: `{"zero_optimization": {"stage": 1}}` alone used to stop inside DeepSpeed for want
-    of a batch size; every run-owned key is filled from the run."""
+    """`{"zero_optimization": {"stage": 1}}` alone trains: DeepSpeed would stop for want of a batch
+    size, and every run-owned key is filled from the run."""
     result, _ = rehearse_json(tmp_path, {"zero_optimization": {"stage": 1}})
     assert result.strategy == f"ZeRO-1 {TWO}" and result.losses[-1] < result.losses[0]
     resolved = json.loads((Path(result.output_dir) / "deepspeed_config.json").read_text())
@@ -145,16 +145,16 @@ def test_an_hf_trainer_deepspeed_json_trains_with_its_own_optimizer_and_schedule
     assert any("scheduler.params.total_num_steps (real run 40, rehearsal 3)" in note for note in result.notes)
 
 
-def retrain(command: list[str], out: Path) -> rehearse.Rehearsal:
+def retrain(command: list[str], out: Path) -> rehearsal_outcome.Rehearsal:
     """Run a training command (on a rehearsal's model and config) and check what it left in `out`."""
     done = subprocess.run(command + ["--output-dir", str(out)], env=rehearse.rehearsal_env(),
                           capture_output=True, text=True, timeout=900)
-    result = rehearse.inspect_run(out, STEPS, done.stdout + done.stderr)
-    assert done.returncode == 0 and result.passed, rehearse.format_report(result, STEPS) + done.stderr[-4000:]
+    result = rehearsal_outcome.inspect_run(out, STEPS, done.stdout + done.stderr)
+    assert done.returncode == 0 and result.passed, rehearsal_outcome.format_report(result, STEPS) + done.stderr[-4000:]
     return result
 
 
-def launched_with(reference: rehearse.Rehearsal, accelerate_config: str, processes: int, micro: int) -> list[str]:
+def launched_with(reference: rehearsal_outcome.Rehearsal, accelerate_config: str, processes: int, micro: int) -> list[str]:
     """The rehearsal's run again under `accelerate_config` with another micro batch (same global batch)."""
     return rehearse.launch_command(str(REPO / "accelerate_configs" / accelerate_config), processes, free_port(),
                                    Path(reference.output_dir).parent / "rehearsal.yaml") + ["--micro-batch-size", str(micro)]

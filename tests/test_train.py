@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from finetune.train import loop
-from finetune.config.options import parse_config
+from finetune.config.flags import parse_config
 from finetune.data import Collator, prepare_data
 from finetune.train.metrics import read_metrics
 
@@ -41,7 +41,7 @@ def eval_loss_of_saved(output_dir, method: str) -> float:
 
         kwargs = {}
         if method == "qlora":
-            from finetune.models.loading import nf4_config
+            from finetune.train.loading import nf4_config
 
             kwargs["quantization_config"] = nf4_config(torch.float32)
         model = AutoPeftModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32, **kwargs)

@@ -56,7 +56,8 @@ import torch  # noqa: E402
 from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars  # noqa: E402
-from finetune.models import catalog, loading  # noqa: E402
+from finetune.models import catalog  # noqa: E402
+from finetune.train import loading  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.memory import GIB, estimate, model_states, place_states  # noqa: E402
 from finetune.plan.workload import from_run  # noqa: E402

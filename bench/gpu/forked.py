@@ -1,8 +1,8 @@
 """Grid rows in processes forked from one that has already imported the trainer.
 
 As its own `python -m finetune`, a grid row took 24–29 s on the H100 for 4 updates of under a second
-each, and a profiled run of the trainer spent ~50 of its 62 s starting (shared/gpu_runs/2026-11-25-h100:
-imports, torch registering its custom ops, compiling bytecode, matplotlib's font cache). A forkserver
+each, most of it starting Python (imports, torch registering its custom ops, compiling bytecode,
+matplotlib's font cache; bench/RESULTS.md, "Forked grid rows"). A forkserver
 pays the imports once and hands each row a fresh child from there: the row still gets its own
 process (its own CUDA context and peak-memory counters, the whole GPU back when it exits), but
 starts with the libraries loaded. On the 2-core CPU machine a tiny row takes 11.5 s as its own
@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # What every row imports and the server may import too (none of them initialises CUDA).
-PRELOAD = ["finetune.cli", "finetune.train.run", "finetune.models.loading", "transformers.models.llama.modeling_llama",
+PRELOAD = ["finetune.cli", "finetune.train.run", "finetune.train.loading", "transformers.models.llama.modeling_llama",
            "matplotlib.pyplot"]
 CUDA_AFTER_FORK = re.compile(r"Cannot re-initialize CUDA in forked subprocess|CUDA error: initialization error")
 

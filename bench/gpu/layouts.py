@@ -87,7 +87,7 @@ ROWS = [row for layout in (
 
 def predict(row: LayoutRow, gpu: str, data: Path | str, output_dir: Path | str) -> dict:
     """What `finetune --dry-run --json` plans for the row's command on `row.gpus` of `gpu`."""
-    from finetune.config.options import parse_config
+    from finetune.config.flags import parse_config
     from finetune.config.resolve import Device, Launch, resolve_run
     from finetune.plan.report import plan_dict
     from finetune.train.dry_run import plan_run

@@ -118,7 +118,7 @@ def predict(row: Row, gpu: str, data: Path | str, output_dir: Path | str) -> dic
     """What `finetune --dry-run --json` prints as plans[0] for the row's training flags (without
     building the model): the planner's prediction for exactly the run those flags resolve to on
     `gpu`. The catalog name stands in for the random-init checkpoint of the same shape."""
-    from finetune.config.options import parse_config
+    from finetune.config.flags import parse_config
     from finetune.plan.report import plan_dict
     from finetune.config.resolve import Device, Launch, resolve_run
     from finetune.train.dry_run import plan_run
@@ -150,7 +150,7 @@ def random_checkpoint(model: str, cache: Path, timeout_s: float, runner: RowRunn
         needed = 2 * count_params(catalog_model(model)).total * 1.05
         if shutil.disk_usage(cache).free < needed:
             raise OSError(f"{needed / 2**30:.0f} GiB of disk needed for the random-init {model} in {cache}")
-        code = ("import sys, torch; from pathlib import Path; from finetune.models.loading import materialize_random_init; "
+        code = ("import sys, torch; from pathlib import Path; from finetune.train.loading import materialize_random_init; "
                 "from finetune.models.catalog import get; "
                 "materialize_random_init(get(sys.argv[1]), Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, device='cuda')")
         written = (runner or RowRunner(fork=False)).run(["-c", code, model, str(directory)], cache / f"{model}.log", timeout_s)

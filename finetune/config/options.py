@@ -1,22 +1,19 @@
-"""Run configuration: one typed dataclass, layered defaults < YAML file < CLI flags.
+"""Run configuration: one typed dataclass (`TrainConfig`), its batch arithmetic and learning rate,
+and its validation, all at once, before any weights load. flags.py reads it from the flags and a
+YAML file (defaults < YAML file < CLI flags).
 
-The help text of every flag is the `help` metadata of its field, so `--help`, the README and the
-saved `run.yaml` never drift apart. Validation happens here, all at once, before any weights load.
-No torch import: `finetune plan` and `--help` stay instant.
+The help text of every flag is the `help` metadata of its field, so `--help`, the docs and the
+saved `run.yaml` never drift apart. No torch import: `finetune plan` and `--help` stay instant.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin
-
-import yaml
+from typing import Any
 
 from finetune.models import catalog, source
 from finetune.errors import ConfigError
@@ -121,6 +118,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# every option: how a config built in code reads (it means each value it holds; see flags.Command.given)
+EVERY_OPTION = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """micro × accumulation × data-parallel ranks = global, resolved once for the run. The ranks of
@@ -208,16 +209,16 @@ def validate(config: TrainConfig) -> None:
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
         if choices and value not in choices:
-            problems.append(f"--{_flag(f.name)} {value!r} is not one of {', '.join(choices)}")
+            problems.append(f"--{flag_name(f.name)} {value!r} is not one of {', '.join(choices)}")
     positive = ("lora_r", "lora_alpha", "max_seq_len", "micro_batch_size", "log_every", "base_global_batch_size", "tp", "cp")
     for name in positive:
         if getattr(config, name) < 1:
-            problems.append(f"--{_flag(name)} must be ≥ 1, got {getattr(config, name)}")
+            problems.append(f"--{flag_name(name)} must be ≥ 1, got {getattr(config, name)}")
     not_negative = ("save_every", "keep_last", "warmup_steps", "eval_every", "num_samples", "max_eval_examples",
                     "weight_decay", "max_grad_norm")
     for name in not_negative:
         if getattr(config, name) < 0:
-            problems.append(f"--{_flag(name)} must be ≥ 0, got {getattr(config, name)}")
+            problems.append(f"--{flag_name(name)} must be ≥ 0, got {getattr(config, name)}")
     if not 0 <= config.min_lr_ratio <= 1:
         problems.append(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
     if config.preflight_timeout <= 0:
@@ -230,7 +231,7 @@ def validate(config: TrainConfig) -> None:
     for name in ("gradient_accumulation_steps", "global_batch_size", "max_steps", "dataset_num_proc"):
         value = getattr(config, name)
         if value is not None and value < 1:
-            problems.append(f"--{_flag(name)} must be ≥ 1, got {value}")
+            problems.append(f"--{flag_name(name)} must be ≥ 1, got {value}")
     if config.gradient_checkpointing_layers is not None:
         if config.gradient_checkpointing_layers < 1:
             problems.append(f"--gradient-checkpointing-layers must be ≥ 1, got {config.gradient_checkpointing_layers} "
@@ -248,7 +249,7 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"--epochs must be > 0, got {config.epochs}")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(config, name) < 1:
-            problems.append(f"--{_flag(name)} must be in [0, 1), got {getattr(config, name)}")
+            problems.append(f"--{flag_name(name)} must be in [0, 1), got {getattr(config, name)}")
     if config.adam_epsilon <= 0:
         problems.append(f"--adam-epsilon must be > 0, got {config.adam_epsilon}")
     if not 0 <= config.lora_dropout < 1:
@@ -282,189 +283,6 @@ def resume_problem(resume: str | None) -> str | None:
             "an output dir that holds checkpoints, or auto")
 
 
-# ---------------------------------------------------------------- YAML and command line
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _base_type(annotation: Any) -> type:
-    """int for `int | None`, etc. (annotations are strings under `from __future__ import annotations`)."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-        if text.startswith(name):
-            return kind
-    origin = get_origin(annotation)
-    if origin is not None:
-        return next(a for a in get_args(annotation) if a is not type(None))
-    raise TypeError(f"unsupported config annotation {annotation!r}")
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a run YAML; errors name the file, line and the unknown keys."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"Config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"Invalid YAML in {path}{where}: {getattr(e, 'problem', e)}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
-    data = {key.replace("-", "_"): value for key, value in data.items()}
-    data.pop("resolved", None)  # derived values that `save_yaml` records for reading, not options
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}. See `python -m finetune --help`.")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in data and data[f.name] is not None:
-            kind = _base_type(f.type)
-            value = data[f.name]
-            if kind is float and isinstance(value, str):
-                try:  # PyYAML reads exponents without a dot (1e-3) as strings
-                    value = data[f.name] = float(value)
-                except ValueError:
-                    pass
-            ok = isinstance(value, kind) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
-            if not ok or (kind is int and isinstance(value, bool)):
-                raise ConfigError(f"{path}: key '{f.name}' should be {kind.__name__}, got {value!r}")
-    return data
-
-
-# what users coming from other trainers type, and the flag that means it here
-FLAG_SYNONYMS = {"--learning-rate": "--lr", "--batch-size": "--micro-batch-size", "--per-device-train-batch-size":
-                 "--micro-batch-size", "--num-train-epochs": "--epochs", "--num-epochs": "--epochs",
-                 "--model-name-or-path": "--model", "--data": "--dataset", "--data-path": "--dataset",
-                 "--out": "--output-dir", "--output": "--output-dir", "--seq-len": "--max-seq-len",
-                 "--max-length": "--max-seq-len", "--grad-accum": "--gradient-accumulation-steps",
-                 "--warmup": "--warmup-steps", "--steps": "--max-steps", "--lora-rank": "--lora-r"}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line (a ConfigError the CLI prints) instead of the whole usage,
-    and whose unknown flags get a "did you mean"."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
-
-    def parse_args(self, args=None, namespace=None):
-        args, unknown = self.parse_known_args(glue_negative_values(args), namespace)
-        if unknown:
-            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{self.suggestion(unknown)}")
-        return args
-
-    def suggestion(self, unknown: list[str]) -> str:
-        flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
-        guesses = []
-        for word in unknown:
-            name = word.split("=")[0]
-            if name.startswith("-"):
-                guess = FLAG_SYNONYMS.get(name) or next(iter(difflib.get_close_matches(name, flags, n=1)), None)
-                if guess:
-                    guesses.append(f"{guess} instead of {name}")
-        return f"; did you mean {', '.join(guesses)}?" if guesses else " (see --help)"
-
-
-def glue_negative_values(argv: list[str] | None) -> list[str] | None:
-    """`--lr -1e-4` as `--lr=-1e-4`: argparse reads a value like -1e-4 as a flag ("expected one
-    argument"), so a negative number reaches validation, which says what the value must be."""
-    if argv is None:
-        return None
-    glued: list[str] = []
-    for word in argv:
-        if glued and glued[-1].startswith("--") and "=" not in glued[-1] and is_number(word) and word.startswith("-"):
-            glued[-1] = f"{glued[-1]}={word}"
-        else:
-            glued.append(word)
-    return glued
-
-
-def is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per TrainConfig field; defaults are left as None so that
-    only flags the user typed override the YAML file."""
-    parser = OneLineParser(
-        prog=prog,
-        description="Fine-tune a language model with one Accelerate training loop. "
-        "Subcommands: prepare, plan, rehearse, export, slurm, ray, doctor, scaling (see `finetune SUBCOMMAND --help`).",
-    )
-    parser.add_argument("--config", help="YAML file of options; flags given on the command line override it.")
-    parser.add_argument("--dry-run", action="store_true", help="Build the run on fake tensors, print its plan "
-                        "(per-GPU memory as planned and as built) and exit without loading weights.")
-    parser.add_argument("--json", action="store_true", help="With --dry-run: print the plan as `finetune plan --json` does.")
-    for f in dataclasses.fields(TrainConfig):
-        kind = _base_type(f.type)
-        help_text = f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else "")
-        if kind is bool:
-            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(
-                f"--{_flag(f.name)}", type=kind, default=None, choices=f.metadata["choices"], help=help_text,
-                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
-            )
-    return parser
-
-
-# every option: how a config built in code reads (it means each value it holds; see Command.given)
-EVERY_OPTION = frozenset(f.name for f in dataclasses.fields(TrainConfig))
-
-
-@dataclass(frozen=True)
-class Command:
-    """A training command line: the run it describes, whether to only plan it, and which options
-    the user set (a flag or a --config YAML key) rather than left at their defaults. A DeepSpeed
-    JSON's optimizer and scheduler choices are adopted only for options not in `given`."""
-
-    config: TrainConfig
-    dry_run: bool = False
-    json: bool = False
-    given: frozenset[str] = EVERY_OPTION
-
-
-def parse_command(argv: list[str] | None) -> Command:
-    """defaults < --config YAML < flags, then validated."""
-    args = vars(build_parser().parse_args(argv))
-    modes = {name: args.pop(name) for name in ("dry_run", "json")}
-    values = load_yaml(args.pop("config")) if args.get("config") else {}
-    values.update({key: value for key, value in args.items() if value is not None})
-    config = TrainConfig(**values)
-    validate(config)
-    return Command(config, **modes, given=frozenset(key for key, value in values.items() if value is not None))
-
-
-def command_line(config: TrainConfig, given: frozenset[str]) -> list[str]:
-    """The flags that make `parse_command` give `config` back for the options in `given` (those the
-    user set, by flag or --config YAML): a run's own command line, without the YAML it may have read."""
-    words = []
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(config, f.name)
-        if f.name not in given or value is None:
-            continue
-        if isinstance(value, bool):
-            words.append(f"--{'' if value else 'no-'}{_flag(f.name)}")
-        else:
-            words += [f"--{_flag(f.name)}", str(value)]
-    return words
-
-
-def parse_config(argv: list[str] | None) -> TrainConfig:
-    return parse_command(argv).config
-
-
-def save_yaml(config: TrainConfig, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-    """Write the resolved configuration (plus derived values under `resolved:`) as YAML."""
-    data = config.to_dict()
-    if extra:
-        data["resolved"] = extra
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+def flag_name(option: str) -> str:
+    """The command-line flag of a TrainConfig field, without its dashes: micro_batch_size → micro-batch-size."""
+    return option.replace("_", "-")

@@ -4,7 +4,7 @@
 machines, strategy, offload, the DeepSpeed JSON) and the device into one frozen `ResolvedRun`.
 Everything downstream reads it instead of re-deriving values: the Accelerator builder, model
 loading, the DeepSpeed resolver, resume identity, the checkpoint manifest, `--dry-run`, the fit
-check and the planner's translation of the run (`planner.workload.from_run`).
+check and the planner's translation of the run (`plan.workload.from_run`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
+from finetune.models.source import ModelSource
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
@@ -168,7 +169,7 @@ class ResolvedRun:
     """One training run with nothing left open (see the module docstring)."""
 
     config: TrainConfig  # as given, with what a DeepSpeed JSON's optimizer/scheduler decided (see resolve_run)
-    source: str  # where the weights come from: a local directory or a Hub id
+    model: ModelSource  # what --model is, decided once: where its weights load from (`model.weights`), what writes them
     spec: ModelSpec | None  # the architecture, when the planner can read it without downloading
     batch: BatchShape
     peak_lr: float
@@ -202,7 +203,7 @@ class ResolvedRun:
 def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: frozenset[str] = EVERY_OPTION) -> ResolvedRun:
     """Decide every open value of `config` for this launch and device.
 
-    `given` names the options the user set (`config.Command.given`); for the others, a DeepSpeed
+    `given` names the options the user set (`config.flags.Command.given`); for the others, a DeepSpeed
     JSON's optimizer and scheduler choices (lr, betas, eps, weight decay, schedule, warmup, length)
     are adopted into the run's config, so the loop, run.yaml, resume identity and the planner all
     see them. By default every option counts as given: a config built in code means what it says.
@@ -256,7 +257,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
                                     packing=config.packing, attention=config.attention)
     if problems:
         raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
-    return ResolvedRun(config=config, source=model.weights, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
+    return ResolvedRun(config=config, model=model, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
                        strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, parallelism=parallelism,
                        given=given, cuda=device.cuda)
 
@@ -285,7 +286,7 @@ def resolve_precision(requested: str, method: str, device: Device, launcher: str
     """The run's Precision. `auto`: fp32 on CPU (so CPU rehearsals compare exact numbers); on a GPU
     the launch's family if it fixes one (the accelerate config's mixed_precision, or a DeepSpeed
     JSON's bf16/fp16 section set to true, or both off: fp32), else bf16 where supported, else fp16 (see
-    `vocabulary.default_precision`). An explicit precision must agree with the launch's family."""
+    `names.default_precision`). An explicit precision must agree with the launch's family."""
     if requested == "auto":
         if not device.cuda:
             precision = PRECISIONS["fp32"]

@@ -45,7 +45,7 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
                      cuda: bool, strategy: Strategy, model_type: str | None, head_problem: str | None = None,
                      assume_liger: bool = False, tp: int = 1, cp: int = 1) -> Switches:
     """The run's loss and optimizer kernel. `liger` / `chunked_loss`: the flags (None: unset);
-    `head_problem`: what the loaded LM head rules out (models.chunked_loss.head_problem; None
+    `head_problem`: what the loaded LM head rules out (train.chunked_loss.head_problem; None
     before loading, as in a plan). `assume_liger`: `finetune plan`, planning for another machine,
     takes an asked-for Liger that is not installed here to be installed there. `tp`, `cp`: the
     run's tensor- and context-parallel sizes (config/parallelism.py).
@@ -74,7 +74,7 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
 
 
 # Liger under context parallelism: each rank's slice of a row comes with its labels shifted already,
-# which finetune's chunked loss reads (models/chunked_loss.py) and Liger's loss is not checked with
+# which finetune's chunked loss reads (train/chunked_loss.py) and Liger's loss is not checked with
 CP_LABELS = "context parallelism hands each rank a slice of every row, with its labels shifted already"
 
 
@@ -97,6 +97,16 @@ def architecture_problem(model_type: str | None) -> str | None:
     if model_type not in CHUNKED_LOSS_ARCHITECTURES:
         return f"model type {model_type!r} is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}"
     return None
+
+
+# Tokens per chunk of the chunked loss: a chunk's fp32 logits stay near 128 MiB whatever the vocabulary.
+# The loss (train/chunked_loss.py) runs with it and the planner (plan/memory.py, plan/speed.py) counts with it.
+CHUNK_LOGITS = 2**25
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens in one chunk of the chunked loss for a head of `vocab_size` rows."""
+    return max(1, CHUNK_LOGITS // vocab_size)
 
 
 def chunked_loss_wanted(asked: bool | None, method: str) -> bool:

@@ -10,8 +10,8 @@ Which rows an update sees is therefore the same as with uniformly random batches
 token-weighted over the whole update (train/loop.py), so the update's gradient is the same up to the
 order of floating-point sums, and what the model learns cannot change. Grouping across updates (the
 Trainer's `group_by_length`: megabatches of 50 updates sorted by length) pads less, but makes each
-update one length class; on the embedded default, where length nearly determines the task, it cut
-held-out exact match from 73 % to 15 % (bench/quality.py). With micro-batch = global batch (one
+update one length class; on the embedded default, where length nearly determines the task, that
+cuts what the model learns (held-out exact match: bench/quality.py, results in bench/RESULTS.md). With micro-batch = global batch (one
 process, no accumulation) nothing is saved and nothing changes.
 
 The order depends only on the seed, the epoch and `group_size`: a resumed run replays it exactly

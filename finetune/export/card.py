@@ -49,7 +49,7 @@ class RunRecord:
 
 
 def read_run_record(trained) -> RunRecord:
-    """The record of `trained` (an export.Trained): a checkpoint's manifest, or the finished run's
+    """The record of `trained` (an export.trained.Trained): a checkpoint's manifest, or the finished run's
     run.yaml and summary.json; eval records from the output dir's metrics.jsonl."""
     if trained.is_checkpoint:
         manifest = json.loads((trained.path / MANIFEST).read_text())
@@ -191,7 +191,7 @@ def _number(value) -> str:
 
 
 def write_model_card(trained, out: Path, export_format: str, title: str | None = None) -> Path:
-    """Write `<out>/README.md` for the export of `trained` (an export.Trained) as `export_format`;
+    """Write `<out>/README.md` for the export of `trained` (an export.trained.Trained) as `export_format`;
     the title defaults to the folder's name."""
     path = Path(out) / "README.md"
     path.write_text(model_card(read_run_record(trained), export_format, title=title or Path(out).name))

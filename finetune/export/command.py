@@ -11,7 +11,8 @@ import argparse
 from finetune.errors import FinetuneError
 from finetune.export import hub
 from finetune.export.gguf import GGUF_TYPES, export_gguf
-from finetune.export.safetensors import DTYPES, export, find_trained
+from finetune.export.safetensors import DTYPES, export
+from finetune.export.trained import find_trained
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
 

@@ -25,7 +25,8 @@ import torch
 
 from finetune.errors import GgufExportError
 from finetune.export.card import write_model_card
-from finetune.export.safetensors import export, find_trained, new_out_dir
+from finetune.export.safetensors import export, new_out_dir
+from finetune.export.trained import find_trained
 from finetune.models import families
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")

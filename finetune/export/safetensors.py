@@ -1,5 +1,5 @@
-"""Export to safetensors: turns a training checkpoint (see checkpoint/checkpointer.py), or the final model a finished run saved in its
-output dir, into a folder that `from_pretrained` loads:
+"""Export to safetensors: turns what trained.py finds (a training checkpoint, or the final model a
+finished run saved in its output dir) into a folder that `from_pretrained` loads:
 - full fine-tuning: safetensors (numbered shards + index above --max-shard-size), config,
   generation config, tokenizer;
 - LoRA/QLoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json), or with
@@ -21,30 +21,25 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
-from finetune.checkpoint.layout import (
-    HF_DIR, MANIFEST, STEP_DIR, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, read_manifest,
-)
+from finetune.checkpoint.layout import CheckpointError
 from finetune.checkpoint.safety import unsafe_pickle_globals
-from finetune.checkpoint.weights import SafetensorsWeights, Weights, open_weights
-from finetune.export.card import write_model_card
+from finetune.checkpoint.weights import Weights
 from finetune.config.names import PRECISIONS
+from finetune.export.card import write_model_card
+from finetune.export.trained import ADAPTER_CONFIG, Trained, find_trained
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_DTYPES = {v: k for k, v in TORCH_DTYPE_NAMES.items()}
 # the largest safetensors file when --max-shard-size is not given
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 # ---------------------------------------------------------------- writing
@@ -109,99 +104,6 @@ def _rewrite_json(path: Path, **changes) -> None:
         else:
             data[key] = value
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-# ---------------------------------------------------------------- what to export
-
-# what a run writes into its output dir besides the final model (run.py, metrics.py, strategies.py)
-RUN_FILES = {"run.yaml", "summary.json", "metrics.jsonl", "loss_curve.png", "deepspeed_config.json", "README.md"}
-
-
-@dataclass(frozen=True)
-class Trained:
-    """What an export reads: a complete checkpoint, or the final model a finished run saved in its
-    output dir (safetensors beside run.yaml)."""
-
-    path: Path
-    method: str  # full, lora or qlora
-    base_model: str | None  # the pretrained weights LoRA adapters merge into
-    precision: str  # the run's --precision; QLoRA's 4-bit base computed in its compute dtype
-    hf_files: tuple[Path, ...]  # model config, generation config, tokenizer, adapter config
-    weight_files: tuple[Path, ...] = ()  # the final model's safetensors; empty for a checkpoint
-
-    @property
-    def is_checkpoint(self) -> bool:
-        return not self.weight_files
-
-    def weights(self) -> Weights:
-        return open_weights(self.path) if self.is_checkpoint else SafetensorsWeights(list(self.weight_files))
-
-    def hf_config(self) -> dict:
-        """The model's config.json (none beside a LoRA run's final adapter)."""
-        config = next((p for p in self.hf_files if p.name == "config.json"), None)
-        return json.loads(config.read_text()) if config is not None else {}
-
-
-def find_trained(source: str | Path) -> Trained:
-    """The checkpoint folder `source`; for an output dir, its final model unless a complete checkpoint
-    is newer (a run preempted after resuming), else its newest complete checkpoint.
-
-    Raises CheckpointError for an incomplete checkpoint, or a folder holding neither.
-    """
-    path = Path(source)
-    final = _final_model(path)
-    checkpoints = complete_checkpoints(checkpoints_dir(path))
-    if final is not None and (not checkpoints or _final_step(path) >= read_manifest(checkpoints[-1])["step"]):
-        return final
-    if final is None and not checkpoints and not (path / MANIFEST).exists() and not STEP_DIR.match(path.name):
-        raise CheckpointError(
-            f"Nothing to export in {path}: no complete checkpoint ({checkpoints_dir(path)}/step-NNNNNN/{MANIFEST}) "
-            "and no final model (model.safetensors or adapter_model.safetensors beside run.yaml, as a finished "
-            "run saves them). Pass a run's output dir or one of its checkpoint folders."
-        )
-    checkpoint = find_checkpoint(path)
-    manifest = read_manifest(checkpoint)
-    return Trained(path=checkpoint, method=manifest["config"]["method"], base_model=manifest["base_model"],
-                   precision=manifest["identity"]["precision"],
-                   hf_files=tuple(sorted((checkpoint / HF_DIR).iterdir())))
-
-
-def _final_model(output_dir: Path) -> Trained | None:
-    """The model `run.py` saved at the end of training in `output_dir`, or None."""
-    try:
-        run = yaml.safe_load((output_dir / "run.yaml").read_text())
-        method, resolved = run["method"], run.get("resolved") or {}
-        weight_files = _saved_weight_files(output_dir, "model" if method == "full" else "adapter_model")
-        base_model = None
-        if weight_files and method != "full":
-            base_model = json.loads((output_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError):  # no finished run here
-        return None
-    if not weight_files:
-        return None
-    hf_files = tuple(p for p in sorted(output_dir.iterdir()) if p.is_file() and p.name not in RUN_FILES
-                     and not p.name.endswith((".safetensors", ".safetensors.index.json")))
-    return Trained(path=output_dir, method=method, base_model=base_model,
-                   precision=resolved["precision"], hf_files=hf_files,
-                   weight_files=tuple(weight_files))
-
-
-def _saved_weight_files(folder: Path, stem: str) -> list[Path]:
-    """`<stem>.safetensors`, or the shards `<stem>.safetensors.index.json` lists, as save_pretrained writes them."""
-    if (folder / f"{stem}.safetensors").is_file():
-        return [folder / f"{stem}.safetensors"]
-    index = folder / f"{stem}.safetensors.index.json"
-    if index.is_file():
-        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return []
-
-
-def _final_step(output_dir: Path) -> int:
-    """The step the final model was saved at (summary.json), -1 when unknown."""
-    try:
-        return int(json.loads((output_dir / "summary.json").read_text())["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
 
 
 # ---------------------------------------------------------------- export
@@ -281,7 +183,7 @@ def _merge(trained: Trained, adapter_dir: Path, out: Path, dtype: str, max_shard
 
     base_source = trained.base_model
     if trained.method == "qlora":
-        from finetune.models.loading import nf4_config  # the exact quantization training used
+        from finetune.train.loading import nf4_config  # the exact quantization training used
 
         compute = getattr(torch, PRECISIONS[trained.precision].compute)
         base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32, quantization_config=nf4_config(compute))

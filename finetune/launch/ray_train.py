@@ -20,7 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune.checkpoint.layout import checkpoints_dir, find_checkpoint, step_of, take_inventory
-from finetune.config.options import OneLineParser, TrainConfig, parse_command
+from finetune.config.options import TrainConfig
+from finetune.config.flags import OneLineParser, parse_command
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError, FinetuneError, ReportedElsewhere
 
@@ -185,14 +186,14 @@ def train_worker(job: dict) -> None:
     if os.path.isdir(job["cwd"]):
         os.chdir(job["cwd"])  # relative paths mean what they meant to the driver (on a cluster: shared paths)
     from finetune.library_logs import quiet_libraries, quiet_transformers_bars
-    from finetune.train import dry_run, run
+    from finetune.train import fit_check, run
 
     command = parse_command(job["argv"])
     command = replace(command, config=replace(command.config, resume=resume_point(job["resume"], command.config.output_dir)))
     if not command.config.verbose:
         quiet_libraries()
         quiet_transformers_bars()
-    dry_run.check_cpu_run(command.config)
+    fit_check.check_cpu_run(command.config)
     run.main(command)
     sys.stdout.flush()
 

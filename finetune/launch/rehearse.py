@@ -6,7 +6,8 @@ The model is shrunk to 2 layers and a small width but keeps its architecture cla
 FSDP wrap policy, `_no_split_modules` and LoRA target names), and everything else runs as given:
 the accelerate config, the DeepSpeed JSON with its "auto" resolution, the method and quantization,
 the dataset and its formatting. A few optimizer steps run on 2 CPU processes (gloo), then a
-checkpoint and the final model are saved and checked. The report says pass or fail, and why.
+checkpoint and the final model are saved and checked (rehearsal_outcome.py). The report says
+pass or fail, and why.
 
 Before anything runs, the real run is resolved as the GPUs will see it (the accelerate config's
 num_processes, a GPU device, the user's DeepSpeed JSON as written): every conflict the real run
@@ -19,26 +20,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from finetune.config import deepspeed_json
+from finetune.config.flags import parse_command, save_yaml
+from finetune.config.options import EVERY_OPTION, TrainConfig, base_lr, resolve_batch_shape, scaled_lr
+from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, ResolvedRun, read_accelerate_config, resolve_run
+from finetune.errors import FinetuneError
+from finetune.launch.rehearsal_outcome import Rehearsal, explain_failure, format_report, inspect_run
+from finetune.library_logs import quiet_libraries
 from finetune.models import families
 from finetune.plan import gpus
-from finetune.config.options import EVERY_OPTION, TrainConfig, base_lr, parse_command, resolve_batch_shape, save_yaml, scaled_lr
-from finetune.errors import FinetuneError
-from finetune.train.metrics import read_metrics
-from finetune.library_logs import quiet_libraries
-from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, ResolvedRun, read_accelerate_config, resolve_run
 from finetune.train.accelerator import free_port
-from finetune.config.names import STRATEGIES
 
 # the rehearsal model: small enough for a laptop CPU, big enough for 4 heads and GQA
 SHRUNK_LAYERS, SHRUNK_HIDDEN, SHRUNK_POSITIONS = 2, 64, 512
@@ -46,38 +43,6 @@ REHEARSAL_VOCAB = 128  # the builtin char-level tokenizer's 100 tokens, rounded 
 MAX_REHEARSAL_SEQ_LEN = 64
 REHEARSAL_GLOBAL_BATCH = 8
 PINNABLE = ("micro_batch_size", "gradient_accumulation_steps")  # a flag the user gave is rehearsed as given
-
-# known failure signatures → what they mean (first match wins)
-EXPLANATIONS = (
-    (r"DeepSpeed config does not match the run", "The DeepSpeed JSON disagrees with the run's flags. "
-     'Write "auto" for values finetune owns (batch sizes, accumulation, clipping, precision).'),
-    (r"deepspeed_config_file, the following accelerate config variables will be ignored",
-     "The accelerate config sets values that Accelerate takes from the DeepSpeed JSON instead: delete them from "
-     "the YAML (finetune sets the precision from --precision)."),
-    (r"is stuck at '", "A distributed preflight stage timed out (the processes could not talk to each other)."),
-    (r"preflight failed", "The distributed preflight found a problem before weights loaded."),
-    (r"async_io|libaio|nvme", "NVMe offload needs DeepSpeed's async_io op (libaio) and cannot be rehearsed on this "
-     "machine; rehearse with device: cpu offload instead."),
-    (r"No module named '?deepspeed", "DeepSpeed is not installed: pip install 'finetune[deepspeed]'."),
-    (r"out of memory|SIGKILL|MemoryError", "A process ran out of CPU memory (or was killed)."),
-    (r"No such file or directory.*\.json|DeepSpeed config not found", "The DeepSpeed JSON path is resolved from the "
-     "directory you launch in; pass it relative to here or absolute."),
-)
-
-
-@dataclass
-class Rehearsal:
-    """The outcome of one rehearsal, with what it saw."""
-
-    passed: bool
-    strategy: str = "did not start training"
-    losses: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    saved: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    output_dir: str = ""
-    log: str = ""
 
 
 def shrunk_model_config(config: TrainConfig):
@@ -119,7 +84,7 @@ def shrunk_model_config(config: TrainConfig):
 
 def write_shrunk_model(config: TrainConfig, directory: Path, seed: int = 0) -> Path:
     """Save a seeded random-init shrunk model and the builtin tokenizer to `directory`."""
-    from finetune.models.loading import write_random_init
+    from finetune.train.loading import write_random_init
 
     hf_config, tokenizer = shrunk_model_config(config)
     write_random_init(hf_config, tokenizer, directory, seed)
@@ -265,7 +230,7 @@ def processes_for(accelerate_config: str | None) -> int:
 def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, steps: int = 3,
              timeout_s: float = 900.0, given: frozenset[str] = EVERY_OPTION) -> Rehearsal:
     """Check the real run, then shrink the model, run `steps` updates with a save on CPU processes,
-    and check what came out. `given`: the options the user set (`config.Command.given`)."""
+    and check what came out. `given`: the options the user set (`config.flags.Command.given`)."""
     try:
         real = real_run(config, accelerate_config, given)
     except FinetuneError as e:
@@ -294,110 +259,6 @@ def rehearse(config: TrainConfig, accelerate_config: str | None, workdir: Path, 
         result.passed = False
         result.problems.insert(0, explain_failure(log, returncode))
     return result
-
-
-def inspect_run(run_dir: Path, steps: int, log: str) -> Rehearsal:
-    """Read what a rehearsal run left behind and list everything that is missing or wrong."""
-    result = Rehearsal(passed=True, output_dir=str(run_dir), log=log)
-    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").is_file())
-    if checkpoints:
-        manifest = json.loads((checkpoints[-1] / "manifest.json").read_text())
-        result.strategy = f"{STRATEGIES[manifest['strategy']].label} on cpu, {manifest['world_size']} process(es)"
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.is_file() else []
-    steps_seen = [r for r in records if "loss" in r and "lr" in r]
-    result.losses = [r["loss"] for r in steps_seen]
-    result.lrs = [r["lr"] for r in steps_seen]
-    if len(steps_seen) != steps:
-        result.problems.append(f"expected {steps} logged optimizer steps, found {len(steps_seen)} in {metrics}")
-    if any(not math.isfinite(loss) for loss in result.losses):
-        result.problems.append(f"non-finite loss: {result.losses}")
-    weights = sorted(run_dir.glob("*.safetensors"))
-    for path in weights:
-        tensors, elements = safetensors_content(path)
-        result.saved.append(f"{path.name} ({tensors} tensors, {elements:,} values)")
-        if elements == 0:
-            result.problems.append(f"{path.name} is empty: the sharded model was saved without gathering its weights")
-    if not weights:
-        result.problems.append(f"no final model (*.safetensors) in {run_dir}")
-    if checkpoints:
-        result.saved.append(f"checkpoints/{checkpoints[-1].name}")
-    else:
-        result.problems.append(f"no complete checkpoint under {run_dir / 'checkpoints'}")
-    result.passed = not result.problems
-    return result
-
-
-def safetensors_content(path: Path) -> tuple[int, int]:
-    """(tensor count, total elements) from a safetensors header, without loading the data."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        shapes = [f.get_slice(name).get_shape() for name in f.keys()]
-    return len(shapes), sum(math.prod(shape) for shape in shapes)
-
-
-# the last line of a Python traceback (optionally prefixed by the rank), e.g. "[rank0]: ValueError: ..."
-EXCEPTION_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?[\w.]*(?:Error|Exception|Interrupt)\b.*")
-LAUNCHER_NOISE = ("ChildFailedError", "torch.distributed.elastic", "CalledProcessError")
-
-
-def actual_error(log: str) -> str | None:
-    """What made the run fail: finetune's own error message (with its indented lines), else the last
-    exception a rank raised, else a rank killed by a signal; None if the log shows none of these."""
-    ours = re.findall(r"finetune [\w-]+: error: .*(?:\n {2,}.*)*", log)
-    if ours:
-        return ours[-1].strip()
-    lines = log.splitlines()
-    raised = [i for i, line in enumerate(lines)
-              if EXCEPTION_LINE.match(line) and not any(noise in line for noise in LAUNCHER_NOISE)]
-    if raised:
-        return with_details(lines, raised[-1])
-    killed = re.search(r"Signal (\d+) \((SIG\w+)\)", log)
-    return f"a process was killed by {killed.group(2)}" if killed else None
-
-
-# where an exception's own lines end: a blank line, a new traceback, a launcher's or torch's log line
-DETAILS_END = re.compile(r"^\s*$|^Traceback|^[EWI]\d{4} |^\[[EWI] |^\d{4}-\d\d-\d\d|^(W|E)\d+ ")
-RANK_PREFIX = re.compile(r"^\s*\[rank\d+\]:\s?")
-
-
-def with_details(lines: list[str], index: int) -> str:
-    """The exception at `lines[index]` with the lines its message goes on over: a pydantic
-    ValidationError names the field (`offload_optimizer.pin_memory`) only on the next line."""
-    prefix = RANK_PREFIX.match(lines[index])
-    kept = [lines[index].strip()]
-    for line in lines[index + 1:]:
-        if prefix and not line.startswith(prefix.group(0)):
-            break
-        body = line[prefix.end():] if prefix else line
-        if DETAILS_END.match(body) or EXCEPTION_LINE.match(body) or any(noise in body for noise in LAUNCHER_NOISE):
-            break
-        kept.append("  " + body.strip())
-    return "\n".join(kept)
-
-
-def explain_failure(log: str, returncode: int) -> str:
-    """The error that ended the run, with what it means when it is a known cause."""
-    error = actual_error(log) or f"exit code {returncode}, no error in the log"
-    for pattern, explanation in EXPLANATIONS:
-        if re.search(pattern, error):
-            return f"{explanation}\n    error: {error}"
-    return f"The run failed: {error}"
-
-
-def format_report(result: Rehearsal, steps: int) -> str:
-    verdict = "PASS" if result.passed else "FAIL"
-    lines = [f"rehearsal {verdict}: {result.strategy}"]
-    if result.losses:
-        lines.append(f"  {len(result.losses)}/{steps} steps, loss " + " → ".join(f"{loss:.4f}" for loss in result.losses))
-    if result.saved:
-        lines.append("  saved: " + "; ".join(result.saved))
-    lines += [f"  note: {note}" for note in result.notes]
-    lines += [f"  problem: {problem}" for problem in result.problems]
-    if result.log:  # empty when the real run's check stopped it before anything ran
-        lines.append(f"  output: {result.output_dir} (log: {Path(result.output_dir).parent / 'rehearsal.log'})")
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:

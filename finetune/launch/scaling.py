@@ -8,7 +8,7 @@ the global batch grows with the processes). Reported per count: tokens/s over th
 warm-up, speedup over one process, scaling efficiency = tokens/s with N ÷ (N × tokens/s with 1),
 and the communication share: one update's gradient all-reduce, timed alone on N processes, over
 the update time (an upper bound for DDP, which overlaps it with the backward). Beside it, the
-efficiency the planner's communication model (planner/speed.py) predicts from the measured
+efficiency the planner's communication model (plan/speed.py) predicts from the measured
 one-process update time and the measured all-reduce: where the two disagree, something other than
 communication costs time (on CPU: processes sharing cores and memory bandwidth).
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 from finetune.launch import rehearse
 from finetune.plan.gpus import GPUSpec, identify
-from finetune.config.options import TrainConfig, parse_command, save_yaml
+from finetune.config.options import TrainConfig
+from finetune.config.flags import parse_command, save_yaml
 from finetune.errors import FinetuneError
 from finetune.train.metrics import read_metrics
 from finetune.plan.memory import model_states

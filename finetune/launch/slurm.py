@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config.options import parse_config
+from finetune.config.flags import parse_config
 from finetune.errors import FinetuneError
 
 

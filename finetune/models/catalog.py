@@ -36,7 +36,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     source: str = ""
-    default_lr: float | None = None  # peak LR when --lr is unset; None → the method's default (config.DEFAULT_LR)
+    default_lr: float | None = None  # peak LR when --lr is unset; None → the method's default (config.options.DEFAULT_LR)
     default_epochs: float | None = None  # passes over the data when neither --epochs nor --max-steps is set
     # Shape variants outside the Llama family, used by the planner's parameter and activation
     # counts (e.g. for calibration against published runs of GPT-NeoX, phi and Falcon models).

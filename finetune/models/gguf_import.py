@@ -4,8 +4,8 @@ LoRA/QLoRA, checkpoints, export) reads like any local model.
 
 transformers reads GGUF with the `gguf` package: the config and the tokenizer with its chat template
 from the file's metadata, and the weights dequantized to float (a Q4_1 file's weights become its
-4-bit values in float, not the original checkpoint's). That takes ~20-40 s for a 135M model, so the
-result is cached under $FINETUNE_MODEL_CACHE (else $XDG_CACHE_HOME/finetune/models, i.e.
+4-bit values in float, not the original checkpoint's). That takes tens of seconds even for a 135M
+model, so the result is cached under $FINETUNE_MODEL_CACHE (else $XDG_CACHE_HOME/finetune/models, i.e.
 ~/.cache/finetune/models) in an entry named after the file's path, size and modification time and
 the transformers version that converted it. The first process to arrive takes a file lock and
 converts into a temporary folder renamed into place; processes that arrive meanwhile wait on the

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.config.names import trains_pure_bf16
+from finetune.config.switches import chunk_tokens
 from finetune.plan import moe, parallel
 from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
 from finetune.plan.workload import Workload
@@ -20,7 +21,7 @@ GIB = 2**30
 
 # PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
 # between differently sized activations); what runs out is the reserved memory. finetune runs with
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli.py), which keeps the gap small: one H100,
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli/__init__.py), which keeps the gap small: one H100,
 # a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
 # allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
 # largest measured ratio − 1 with expandable segments (bench/gpu/measured/*.csv, bench/speed_fit.py).
@@ -30,7 +31,7 @@ ALLOCATOR_SLACK = 0.16
 CUDA_CONTEXT_GIB = 0.5
 # NCCL communicators and their channel buffers, per process, when more than one GPU trains.
 NCCL_GIB = 0.5
-# Elements per DeepSpeed communication bucket (reduce, allgather, stage-3 prefetch); launch.py
+# Elements per DeepSpeed communication bucket (reduce, allgather, stage-3 prefetch); plan/files.py
 # writes the same number into the DeepSpeed JSON so the estimate and the run agree.
 DS_BUCKET_ELEMENTS = 50_000_000
 # Bytes per element of one state of each optimizer, None: the trainable weights' dtype.
@@ -270,22 +271,14 @@ LOSS_BYTES_PER_VOCAB = {
     # Liger's fused linear cross-entropy (--liger): LM head, loss and gradient chunk by chunk,
     # never the full-vocabulary logits
     "liger": lambda logits: 0,
-    # finetune's chunked loss (--chunked-loss, models/chunked_loss.py): the same, in plain torch; it
+    # finetune's chunked loss (--chunked-loss, train/chunked_loss.py): the same, in plain torch; it
     # keeps the gradient of the head's input instead (LOSS_SCRATCH_PER_HIDDEN) and one chunk's
     # logits at a time (chunk_scratch_bytes)
     "finetune-chunked": lambda logits: 0,
 }
 
-# Tokens per chunk of the chunked loss: a chunk's fp32 logits stay near 128 MiB whatever the vocabulary.
-CHUNK_LOGITS = 2**25
-
-
-def chunk_tokens(vocab_size: int) -> int:
-    return max(1, CHUNK_LOGITS // vocab_size)
-
-
 def chunk_scratch_bytes(w: Workload) -> float:
-    """The chunked loss's scratch beside the saved activations while it runs (models/chunked_loss.py,
+    """The chunked loss's scratch beside the saved activations while it runs (train/chunked_loss.py,
     measured with MemTracker): one chunk's fp32 logits, worked on in place, beside the 16-bit matmul
     output they were copied from or the 16-bit gradient made from them. When the head trains, its
     fp32 gradient is kept from the forward to backward, and each chunk's contribution passes through

@@ -225,7 +225,7 @@ def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
 
 def params_by_kind(spec: ModelSpec, method: str, r: int, targets: LoraTargets | None) -> dict[str, tuple[int, int]]:
     """kind (families.KINDS) → (trainable, total) parameters of the model a run builds, as
-    models/inventory.by_kind counts it: adapters count with the module they adapt, a router trained
+    train/inventory.by_kind counts it: adapters count with the module they adapt, a router trained
     whole adds its trainable copy, a vision tower never trains."""
     counts = {kind: [0, 0] for kind in families.KINDS}
 

@@ -10,8 +10,8 @@ One GPU's time per micro-batch is the larger of two clocks that run side by side
   memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
   loss over the vocabulary, 4-bit dequantization) at the fitted fraction of the GPU's datasheet
   memory bandwidth, and a fixed GPU time per kernel launched (launch and tail).
-Small shapes are bound by the host (a 1B LoRA at seq 512 spends ~135 ms per update on an H100
-whatever its FLOPs), large ones by the GPU. The optimizer step follows, memory-bound.
+Small shapes are bound by the host (a 1B LoRA at seq 512 spends the same time per update on an
+H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The optimizer step follows, memory-bound.
 The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
 bench/gpu/measured/*.csv and to published runs of another trainer (bench/calibration/speed_*.csv,
 fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, chunk_tokens, model_states, place_states, trainable_params
+from finetune.config.switches import chunk_tokens
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
 from finetune.plan import params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
@@ -67,7 +68,7 @@ class Calibration:
 # peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
 # (bench/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 8 coefficients for 16 numbers
 # (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
-# fit allows. Out of sample: ±14 % on shapes like the measured ones, ±44 % on a chip never measured.
+# fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
     layer_issue_s=6.242e-03, adapter_issue_s=3.662e-04, dequant_issue_s=4.366e-04,
     matmul_efficiency={"A100": 0.947, "H100": 0.807}, memory_efficiency=0.809,
@@ -77,7 +78,7 @@ CALIBRATION = Calibration(
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
 # Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
-# gradient's scatter and cast, the two gradient matmuls (models/chunked_loss.py).
+# gradient's scatter and cast, the two gradient matmuls (train/chunked_loss.py).
 CHUNK_KERNELS = 18
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
@@ -314,7 +315,7 @@ def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[f
 
 def loss_issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
-    fewer tokens the larger the vocabulary (memory.chunk_tokens), each kernel at a decoder layer's
+    fewer tokens the larger the vocabulary (config.switches.chunk_tokens), each kernel at a decoder layer's
     issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
     if w.loss != "finetune-chunked":
         return 0.0

@@ -3,7 +3,7 @@
 The strategy arrives as data: the accelerate config the user launched with (`accelerate launch
 --config_file accelerate_configs/X.yaml`, which Accelerate hands to each process as environment
 variables) and, for DeepSpeed, an optional JSON file (`--deepspeed ds.json` or the YAML's
-`deepspeed_config_file`). `resolved.resolve_run` reads that data; this module turns the resolved
+`deepspeed_config_file`). `resolve.resolve_run` reads that data; this module turns the resolved
 run into an `Accelerator` and prints what it built; the training loop never asks which strategy
 it runs under.
 """

@@ -59,7 +59,7 @@ def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
 
     A window is read whole before its first forward, so the dataloader of an epoch's last window has
     already ended when it trains: the Accelerator must count micro-batches, not sync at the end of
-    the dataloader (`sync_with_dataloader=False`, set in strategies.build_accelerator)."""
+    the dataloader (`sync_with_dataloader=False`, set in accelerator.build_accelerator)."""
     iterator = iter(batches)
     while len(window := list(itertools.islice(iterator, size))) == size:
         yield window

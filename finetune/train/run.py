@@ -1,40 +1,38 @@
 """One training run, in two halves: `setup` builds it (config → accelerator → tokenizer, data,
 model → optimizer, schedule → prepare → resume), `fit` trains it (eval → loop → save → eval → summary).
+The Session setup returns closes what it opened on every path (session.py): `with setup(...) as s:`.
 
 `python -m finetune [flags]` and `accelerate launch [--config_file X.yaml] -m finetune [flags]` land
-in `main`, through cli.py, which parses the flags first. The strategy comes from the launch (see
-train/accelerator.py); this file is the same for all. Tests and benches build their runs with
-`setup` too, so what they check is what a user's run does.
+in `main`, through the CLI (cli/__init__.py), which parses the flags first. The strategy comes from
+the launch (see train/accelerator.py); this file is the same for all. Tests and benches build their
+runs with `setup` too, so what they check is what a user's run does.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import PreTrainedTokenizerBase
 
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
-from finetune.config.options import EVERY_OPTION, BatchShape, Command, TrainConfig, planned_epochs, save_yaml
+from finetune.config.flags import Command, save_yaml
+from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, planned_epochs
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.models import inventory, loading
 from finetune.plan import gpus
-from finetune.train import dry_run, loop, ranks
+from finetune.train import dry_run, fit_check, inventory, loading, loop, ranks
 from finetune.train.accelerator import build_accelerator
-from finetune.train.metrics import MetricsRecorder, plot_loss_curve
+from finetune.train.metrics import plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
+from finetune.train.session import Opened, Session
 from finetune.train.speedups import apply_speedups
 
 
@@ -72,71 +70,41 @@ def this_device() -> Device:
 
 def train(run: ResolvedRun, device: Device) -> dict:
     """Train as `run` says; returns the summary also written to `<output_dir>/summary.json`."""
-    session = setup(run, device)
-    accelerator = session.accelerator
-    summary = fit(session)
-    # The model goes before the process group. DDP's C++ reducer holds the group too; when it lets go
-    # of it last, gloo joins its worker threads while holding the GIL, which a worker may need to free
-    # a finished collective's tensors: a hang at exit (2 of ~28 2-process runs on 2 CPU cores,
-    # tests/test_resume_strategies.py).
-    del session
-    accelerator.free_memory()  # drops its references to the prepared model after its own collection, so:
-    gc.collect()
-    accelerator.end_training()
-    return summary
-
-
-@dataclass(frozen=True)
-class Session:
-    """One run, built and ready to train: what `setup` made and `fit` runs. Tests and benches enter
-    here too, so they exercise the production optimiser, schedule, collator, loader and loop."""
-
-    run: ResolvedRun  # its max_steps resolved
-    accelerator: Accelerator
-    model: torch.nn.Module  # prepared
-    tokenizer: PreTrainedTokenizerBase
-    data: PreparedData
-    collator: Collator
-    train_loader: DataLoader  # prepared
-    optimizer: torch.optim.Optimizer  # prepared
-    scheduler: torch.optim.lr_scheduler.LambdaLR  # not prepared: stepped once per update (see optim.py)
-    progress: Progress  # where a resume left it
-    checkpointer: Checkpointer
-    evaluate: Callable[[], dict] | None  # None when eval is off
-    resolved: dict  # the derived numbers, for run.yaml and every checkpoint manifest
-
-    @property
-    def config(self) -> TrainConfig:
-        return self.run.config
-
-    @property
-    def max_steps(self) -> int:
-        return self.run.max_steps
-
-    def recorder(self) -> MetricsRecorder:
-        """The run's metrics.jsonl writer and progress bar, from the step it is at."""
-        return MetricsRecorder(self.accelerator, self.config.output_dir, self.max_steps, self.config.log_every,
-                               start_step=self.progress.step)
+    with setup(run, device) as session:  # its exit frees the model before the process group goes (Opened.close)
+        return fit(session)
 
 
 def setup(run: ResolvedRun, device: Device) -> Session:
     """Build everything a run trains with, in the order that matters, and resume it if asked:
     fit check → weights on disk → Accelerator → tokenizer, data → model → loader, optimizer, schedule
-    → prepare → checkpointer (resume) → run.yaml and what the run will do, printed."""
-    config = run.config
-    if device.cuda and config.fit_check:
-        dry_run.check_fit(run, device)  # before any weights load, and before the process group forms
+    → prepare → checkpointer (resume) → run.yaml and what the run will do, printed.
+
+    Use the Session it returns as a context manager: it closes what setup opened (the process group,
+    the trackers, the preemption signal handlers) however the block ends. When setup itself fails,
+    what it had opened is closed before the error goes on."""
+    if device.cuda and run.config.fit_check:
+        fit_check.check_fit(run, device)  # before any weights load, and before the process group forms
     # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
     # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the
     # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
     # others wait on its file lock.
-    loading.materialize(config)
-    accelerator = build_accelerator(run)
+    loading.materialize(run.model, run.config.seed)
+    opened = Opened(build_accelerator(run))
+    try:
+        return build(run, opened)
+    except BaseException as error:
+        opened.close(error)
+        raise
+
+
+def build(run: ResolvedRun, opened: Opened) -> Session:
+    """setup's steps from the Accelerator on (see `setup`); what it opens goes on `opened`."""
+    config, accelerator = run.config, opened.accelerator
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     # tokenizer and data (the main process of each node writes caches first, the others reuse them)
     with ranks.main_process_first(accelerator):  # an error on any rank stops every rank
-        tokenizer = loading.load_tokenizer(run.source, config.trust_remote_code)
+        tokenizer = loading.load_tokenizer(run.model.weights, config.trust_remote_code)
         data = prepare_data(config, tokenizer)
     fit_run_to_data(data, tokenizer, {option.replace("_", "-"): getattr(config, option) for option in
                                       ("micro_batch_size", "global_batch_size") if option in run.given})
@@ -157,12 +125,12 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     accelerator.register_for_checkpointing(progress, scheduler)
 
     resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
-    checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
+    checkpointer = opened.checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
     resume(checkpointer, scheduler, progress, run.max_steps)
     announce(run, accelerator, data, resolved, accelerator.unwrap_model(model))
     evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
     return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
-                   checkpointer, evaluate, resolved)
+                   checkpointer, evaluate, resolved, opened)
 
 
 def train_dataloader(rows, batch: BatchShape, config: TrainConfig, collator: Collator) -> DataLoader:
@@ -182,13 +150,10 @@ def fit(session: Session) -> dict:
     metrics = s.recorder()
     if before:
         metrics.record_eval(s.progress.step, before)
-    try:
-        loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
-                   max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
-                   checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
-                   router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
-    finally:
-        s.checkpointer.close()  # the preemption signals go back to their handlers
+    loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
+               max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
+               checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
+               router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
     if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
         metrics.close()
         s.accelerator.print(s.checkpointer.preemption_message())
@@ -242,12 +207,8 @@ def resolved_numbers(run: ResolvedRun, model: torch.nn.Module, data: PreparedDat
 
 def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps: int) -> None:
     """Load the checkpoint --resume names, if any, before anything reads `progress`, and stretch the
-    restored LR schedule to this run's --max-steps. A refused checkpoint gives the signals back."""
-    try:
-        resumed = checkpointer.resume()
-    except BaseException:
-        checkpointer.close()
-        raise
+    restored LR schedule to this run's --max-steps."""
+    resumed = checkpointer.resume()
     if resumed is not None:
         say = checkpointer.accelerator.print
         say(f"resumed from {checkpointer.resumed_from} at step {progress.step}")
@@ -260,7 +221,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
              model: torch.nn.Module) -> None:
     """run.yaml, the run's shape printed as nanoGPT prints its derived numbers (what trains, by kind),
     and the trackers."""
-    config, batch = run.config, run.batch
+    config = run.config
     if accelerator.is_main_process:
         save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
     say = accelerator.print
@@ -271,8 +232,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
     for warning in inventory.lora_warnings(config, base.config.model_type):
         say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
-        f"= global {batch.global_batch_size}; {run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")
+        f"{run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")  # the batch shape: build_accelerator's printout
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 

@@ -77,7 +77,7 @@ def simulate(run: ResolvedRun) -> Simulation:
         return _simulate_fsdp(run)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from finetune.models import loading
+    from finetune.train import loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
@@ -166,7 +166,7 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from finetune.models import loading
+    from finetune.train import loading
     from finetune.train.optim import build_optimizer
 
     dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())

@@ -5,9 +5,9 @@ run goes on without it; numerically each is the plain path (tests/test_speedups.
 tests/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
 config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
-Defaults (README's table says which rest on a GPU run): Liger where it can run (TRL SFTTrainer ran
-1.20× faster with it on an H100, bench/RESULTS.md); the chunked loss for LoRA and QLoRA, for the
-logits it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
+Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
+run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
+it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
 its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
 attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
 train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
@@ -26,7 +26,7 @@ import torch
 from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
 from finetune.config.switches import Switches, liger_function, resolve_switches
-from finetune.models import chunked_loss
+from finetune.train import chunked_loss
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Speedups(Switches):
 def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
                     head_problem: str | None = None) -> Speedups:
     """Resolve unset/auto switches for this device, model and strategy, and drop the ones that cannot
-    apply (`head_problem`: what the loaded LM head rules out, models.chunked_loss.head_problem)."""
+    apply (`head_problem`: what the loaded LM head rules out, train.chunked_loss.head_problem)."""
     switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
                                 model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp)

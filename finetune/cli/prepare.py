@@ -8,11 +8,12 @@ the job's GPUs waiting at a barrier.
 
 from __future__ import annotations
 
-from finetune.models import loading
-from finetune.config.options import parse_config
+from finetune.config.flags import parse_config
 from finetune.data import prepare_data
 from finetune.errors import FinetuneError
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars
+from finetune.models.source import model_source
+from finetune.train import loading
 
 
 def main(argv: list[str]) -> int:
@@ -22,7 +23,8 @@ def main(argv: list[str]) -> int:
         quiet_transformers_bars()
     if config.data_cache is not None and config.data_cache.lower() == "none":
         raise FinetuneError("finetune prepare fills the tokenized-data cache; drop --data-cache none.")
-    source = loading.materialize(config)  # the same tokenizer files the training run will load
+    # the same tokenizer files the training run will load
+    source = loading.materialize(model_source(config.model, config.output_dir), config.seed)
     data = prepare_data(config, loading.load_tokenizer(source, config.trust_remote_code))
     print(f"{len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}), {data.origin}")
     return 0

@@ -20,31 +20,29 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from finetune.models import gguf_import
-from finetune.models import source as model_source
-from finetune.models import catalog
-from finetune.models import chunked_loss
-from finetune.models import families
 from finetune.config.options import TrainConfig
-from finetune.errors import FinetuneError
 from finetune.config.resolve import ResolvedRun
+from finetune.errors import FinetuneError
+from finetune.models import catalog, families, gguf_import
+from finetune.models.source import ModelSource
+from finetune.train import chunked_loss
 
 
-def materialize(config: TrainConfig) -> str:
-    """The run's weights source (`ModelSource.weights`), after writing it when finetune makes it
-    itself: a catalog shape's seeded random init, or the conversion of a GGUF file. Every process
-    may call this: both write once, atomically (see `write_random_init`, `gguf_import.convert`).
+def materialize(model: ModelSource, seed: int = 0) -> str:
+    """Where `model`'s weights load from (`model.weights`), after writing them when finetune makes them
+    itself: a catalog shape's random init seeded with `seed` (the run's --seed), or the conversion of
+    a GGUF file. Every process may call this: both write once, atomically (see `write_random_init`,
+    `gguf_import.convert`).
 
     Under a process group formed before the run (Ray Train forms it before a worker's function
     starts), transformers' `save_pretrained` writes weights on global rank 0 only, so rank 0 writes
     and the others wait for it at a barrier instead of publishing a folder without weights."""
-    model = model_source.model_source(config.model, config.output_dir)
     group_formed = torch.distributed.is_initialized()
     if not group_formed or torch.distributed.get_rank() == 0:
         if model.kind == "gguf":
             gguf_import.convert(model.gguf, Path(model.weights))
         elif model.kind == "random-init":
-            materialize_random_init(model.spec, Path(model.weights), seed=config.seed)
+            materialize_random_init(model.spec, Path(model.weights), seed=seed)
     if group_formed and model.kind in ("gguf", "random-init"):
         torch.distributed.barrier()
     return model.weights
@@ -110,7 +108,7 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
     elif device.type == "cuda" and not run.strategy.shards_weights:
         kwargs["device_map"] = {"": device}
     attention = families.attention_implementation(run.spec.model_type if run.spec is not None else "")
-    model = _from_pretrained(AutoModelForCausalLM, run.source, attn_implementation=attention,
+    model = _from_pretrained(AutoModelForCausalLM, run.model.weights, attn_implementation=attention,
                              trust_remote_code=run.config.trust_remote_code, **kwargs)
     if run.strategy.zero_stage == 3:
         mark_zero3_leaves(model)
@@ -199,7 +197,9 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
                 param.requires_grad_(False)
     if config.method in ("lora", "qlora"):
         model = _add_lora(model, config)
-    # from_pretrained returns eval mode; 4-bit layers must stay in train mode (see DESIGN.md's trap)
+    # from_pretrained returns eval mode; 4-bit layers must stay in train mode: on CPUs with avx512_bf16,
+    # bitsandbytes repacks 4-bit weights in place in any eval-mode forward without grad, which silently
+    # corrupts a model sharded under FSDP2 (evaluation runs under no_grad in train mode instead)
     model.train()
     return model
 
@@ -225,7 +225,7 @@ def build_skeleton(run: ResolvedRun):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     hf_config = (AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None
-                 else AutoConfig.from_pretrained(run.source, trust_remote_code=run.config.trust_remote_code))
+                 else AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code))
     kwargs = model_kwargs(run)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"],
@@ -240,7 +240,7 @@ def build_skeleton(run: ResolvedRun):
         quantize_4bit(torch.zeros(256 * 64), compress_statistics=True, quant_type="nf4")
     model = prepare_for_training(model, run.config)
     if getattr(kwargs.get("quantization_config"), "quant_method", None) == "finetune_nf4_experts":
-        from finetune.models import experts_4bit
+        from finetune.train import experts_4bit
 
         experts_4bit.mark_for_skeleton(model, kwargs["quantization_config"])  # packed as loading packs them
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -308,7 +308,7 @@ def check_packing_support(model: torch.nn.Module) -> None:
 
 def nf4_config(compute_dtype: torch.dtype, fam: families.Family | None = None):
     """QLoRA's NF4 settings; for a mixture of experts the config whose quantizer packs the fused experts
-    too (models/experts_4bit.py), and a vision tower (with the LM head) left in 16 bits."""
+    too (train/experts_4bit.py), and a vision tower (with the LM head) left in 16 bits."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:
@@ -317,7 +317,7 @@ def nf4_config(compute_dtype: torch.dtype, fam: families.Family | None = None):
 
     config_class = BitsAndBytesConfig
     if fam is not None and fam.moe:
-        from finetune.models.experts_4bit import Nf4ExpertsConfig as config_class
+        from finetune.train.experts_4bit import Nf4ExpertsConfig as config_class
     return config_class(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -337,7 +337,7 @@ def _add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         raise FinetuneError(f"--lora-targets {config.lora_targets!r}: {e}") from e
     if any(hasattr(module, "parametrizations") for module in model.modules()):  # 4-bit experts under LoRA
-        from finetune.models import experts_4bit
+        from finetune.train import experts_4bit
 
         experts_4bit.fit_lora_to_4bit_experts(wrapped)
     return wrapped

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from finetune.config.names import IGNORE_INDEX
-from finetune.plan.memory import chunk_tokens
+from finetune.config.switches import chunk_tokens
 
 
 def head_problem(model: torch.nn.Module) -> str | None:

@@ -73,7 +73,7 @@ def pack(value: torch.Tensor, config: BitsAndBytesConfig) -> torch.nn.Parameter:
     packed, state = quantize_4bit(value, compress_statistics=config.bnb_4bit_use_double_quant,
                                   quant_type=config.bnb_4bit_quant_type, quant_storage=config.bnb_4bit_quant_storage)
     param = torch.nn.Parameter(packed, requires_grad=False)
-    param.quant_state = state  # its logical shape, for parameter counts (models/inventory.py)
+    param.quant_state = state  # its logical shape, for parameter counts (train/inventory.py)
     return param
 
 

@@ -16,8 +16,8 @@ from finetune.library_logs import library_logs_to_stderr
 # subcommand → "module:function"; each function takes argv and returns an exit code
 SUBCOMMANDS = {
     "train": "finetune.cli:train",
-    "prepare": "finetune.data.command:main",
-    "plan": "finetune.plan.command:main",
+    "prepare": "finetune.cli.prepare:main",
+    "plan": "finetune.cli.plan:main",
     "export": "finetune.export.command:main",
     "rehearse": "finetune.launch.rehearse:main",
     "slurm": "finetune.launch.slurm:main",
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(argv: list[str]) -> int:
     """Parse and validate the flags torch-free, so `--help` and mistakes answer in well under a second,
     then plan (--dry-run) or train."""
-    from finetune.config.options import parse_command
+    from finetune.config.flags import parse_command
     from finetune.library_logs import quiet_libraries, quiet_transformers_bars
 
     command = parse_command(argv)
@@ -67,10 +67,10 @@ def train(argv: list[str]) -> int:
         quiet_libraries()
         quiet_transformers_bars()
     try:
-        from finetune.train import dry_run, run
+        from finetune.train import fit_check, run
 
         if not command.dry_run:
-            dry_run.check_cpu_run(command.config)  # before the Hub is asked for weights
+            fit_check.check_cpu_run(command.config)  # before the Hub is asked for weights
         return run.main(command)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # every rank gets the Ctrl-C; one message is enough
