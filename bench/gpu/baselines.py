@@ -16,7 +16,7 @@ the median over the updates after the first, as for finetune's rows. Writes toke
 first_update_seconds, allocated_gib, reserved_gib (torch.cuda.max_memory_allocated/reserved) and
 losses to --result.
 
-Real GPU runs are not tested here (the CI machine has no GPU): tests/test_gpu_kit.py builds the
+Real GPU runs are not tested here (the CI machine has no GPU): tests/gpu_kit/test_gpu_kit.py builds the
 SFTConfig and the PEFT loop on CPU and runs that loop on a tiny model.
 """
 

@@ -24,7 +24,7 @@ measures is what a run with those flags does:
 A case that cannot run here (Liger without CUDA or liger-kernel) is listed as "skipped: why"; one
 that would start too close to --deadline as "not run: time". Writes DIR/defaults.md (device, date,
 versions, command) and DIR/defaults.csv after every case; exits 0 unless a case failed.
-On CPU (tests/test_gpu_kit.py) the same code runs with --shapes tiny at a tiny size, without peaks.
+On CPU (tests/gpu_kit/test_gpu_kit.py) the same code runs with --shapes tiny at a tiny size, without peaks.
 """
 
 from __future__ import annotations

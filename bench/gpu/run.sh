@@ -91,7 +91,7 @@ if wanted tests; then
   step "pytest -m gpu"
   cap=${KIT_TEST_SECONDS:-300}; budget=$(( $(left) - 150 )); (( budget < cap )) && cap=$budget
   export KIT_RANDOM_INIT="$WORK/memory/random-init"  # the 1B checkpoint the tests write, reused by the grid
-  timeout --kill-after 10 "$cap" python -m pytest -m gpu -v --tb=short tests/test_gpu.py --junitxml "$OUT/gpu-tests.xml" \
+  timeout --kill-after 10 "$cap" python -m pytest -m gpu -v --tb=short tests/gpu_kit/test_gpu.py --junitxml "$OUT/gpu-tests.xml" \
     > "$OUT/gpu-tests.log" 2>&1 || echo "GPU tests: exit $? (see gpu-tests.log)"
   tail -25 "$OUT/gpu-tests.log"
 fi

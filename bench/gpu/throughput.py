@@ -24,7 +24,7 @@ is not a failure) or none could run at all. trl and liger-kernel are pure Python
 in bench/gpu/wheels (bench/gpu/wheels.sh).
 
 Not yet run on a GPU: no GPU was lent to the sessions that wrote it (bench/RESULTS.md); the CPU tests
-(tests/test_gpu_kit.py) cover the dry run, the commands, the order, the deadline and the baselines' configs.
+(tests/gpu_kit/test_gpu_kit.py) cover the dry run, the commands, the order, the deadline and the baselines' configs.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 Python API (its own browser downloads are never used). Types a query, reads the ranked table and the
 launch command, follows a model to its plans, downloads a file, and opens the `--html` file offline.
 
-Needs `apt-get install chromium` and `pip install playwright`; skipped, saying which is missing,
-otherwise. FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (README's picture).
+Needs Chromium (`apt-get install chromium`; skipped, saying so, where .ci/run could not install it)
+and Playwright (the test extra). FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (README's picture).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from helpers import REPO
+from playwright import sync_api
 
 from finetune.plan import serve
 from finetune.plan.command import page_answer
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("FINETUNE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # no sandbox (containers run as root), no GPU, and nothing that calls home
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -30,7 +30,6 @@ QUERY = "what fits on 2×A100 40GB"
 
 if CHROMIUM is None:
     pytest.skip("no Chromium installed (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright's Python API is not installed (pip install playwright)")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, reset_accelerate, word_rows, word_run_model, write_jsonl
+from helpers import REPO, reset_accelerate, word_rows, tiny_model_dir, write_jsonl
 
 from finetune import cli
 from finetune.config.options import TrainConfig
@@ -46,7 +46,7 @@ def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> 
     after update `stop_at`); returns the losses it logged and the final trainable weights."""
     reset_accelerate()
     rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([6 + i % 5 for i in range(12)], seed=1))
-    config = TrainConfig(model=str(word_run_model(output_dir / "base_model")), dataset=str(rows), output_dir=str(output_dir),
+    config = TrainConfig(model=str(tiny_model_dir(output_dir / "base_model")), dataset=str(rows), output_dir=str(output_dir),
                          method="lora", lora_dropout=0.1, micro_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=STEPS, warmup_steps=2, log_every=1, save_every=100, resume=resume,
                          max_eval_examples=0, save_final=False)

@@ -238,7 +238,7 @@ def test_write_config_files_load_and_match(tmp_path):
     assert accelerate["distributed_type"] == "DEEPSPEED" and accelerate["num_processes"] == 2
     assert accelerate["deepspeed_config"]["deepspeed_config_file"] == f"{tmp_path}/ds_config.json"
     ds = json.loads(paths[1].read_text())
-    # what the run owns is filled from the launch command's flags (tests/test_plan_run.py resolves it)
+    # what the run owns is filled from the launch command's flags (tests/plan/test_plan_run.py resolves it)
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == ("auto",) * 3
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "--micro-batch-size 2 --gradient-accumulation-steps 4" in launch_command(plans[best])
@@ -258,7 +258,6 @@ def test_fsdp_accelerate_config_is_fsdp2_sharded():
 
 
 def test_png_has_one_bar_per_plan(tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"
     assert cli_main(["plan", "--model", "llama-7b", "--gpus", "2xA100-40GB", "--method", "lora", "--png", str(png)]) == 0
     assert png.stat().st_size > 10_000

@@ -3,7 +3,7 @@
 The step is the same computation (loss and gradients equal to checkpointing every layer and to
 none); the later layers really keep their activations (their MLP runs once per step, a checkpointed
 layer's twice); the planner counts the recompute share in time and the kept activations in memory
-(tests/test_planner_simulate.py compares those with fake-tensor runs), and recommends the fewest
+(tests/plan/test_planner_simulate.py compares those with fake-tensor runs), and recommends the fewest
 checkpointed layers that leave headroom.
 """
 

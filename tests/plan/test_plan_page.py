@@ -1,6 +1,6 @@
 """`finetune plan --serve` and `--html`: the page's JSON API answers what `finetune plan --json` prints,
 errors name the field at fault, requests are bounded and never reach the disk, and the standalone page
-carries the same data. The real-browser test is tests/test_plan_page_browser.py."""
+carries the same data. The real-browser test is test_plan_page_browser.py."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
+from helpers import REPO
 
 from finetune.models import catalog
 from finetune.plan import serve
 from finetune.plan.command import page_answer
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"PYTHONPATH": str(REPO)}
 
 

@@ -2,15 +2,20 @@
 family, and for each the planner's parameter count, the decoder layer FSDP2 wraps, the sparse block
 ZeRO-3 treats as a leaf, the names LoRA targets and the kinds the run's table sorts parameters into.
 
-Adding a family is an entry in families.FAMILIES and a tiny config here."""
+Adding a family is an entry in families.FAMILIES and one in FAMILY_CONFIGS here."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import peft
 import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune.errors import FinetuneError
+from finetune.export import gguf
 from finetune.models import families
 from finetune.models.source import spec_from_config
 from finetune.plan.params import count_params, layer_kinds, lora_params, resolve_lora_targets
@@ -19,7 +24,7 @@ BASE = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_
             vocab_size=128, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=1)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
            n_group=1, topk_group=1)  # latent attention's rotary embedding is head_dim wide: qk_rope_head_dim
-TINY = {  # model_type → what its tiny config.json changes from BASE (3 layers, so dense and sparse layers mix)
+FAMILY_CONFIGS = {  # model_type → what its tiny config.json changes from BASE (3 layers, so dense and sparse layers mix)
     "llama": dict(attention_bias=True), "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {},
     "gemma3_text": {}, "phi3": {}, "olmo": {}, "olmo2": {}, "granite": {},
     "gemma3": dict(text_config=dict(BASE, vocab_size=300), mm_tokens_per_image=4,
@@ -39,28 +44,24 @@ TINY = {  # model_type → what its tiny config.json changes from BASE (3 layers
 }
 
 
-def tiny_config(model_type: str) -> dict:
-    transformers = pytest.importorskip("transformers")
-    changes = TINY[model_type]
+def family_config(model_type: str) -> dict:
+    changes = FAMILY_CONFIGS[model_type]
     settings = changes if "text_config" in changes else {**BASE, **changes}
     return transformers.AutoConfig.for_model(model_type, **settings).to_dict()
 
 
 def build(config: dict):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
 
 
 def test_every_family_has_a_tiny_config():
-    assert set(TINY) == set(families.FAMILIES)
+    assert set(FAMILY_CONFIGS) == set(families.FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
 def test_family_entry_matches_the_model_transformers_builds(model_type):
-    config = tiny_config(model_type)
+    config = family_config(model_type)
     fam, spec, model = families.FAMILIES[model_type], spec_from_config(config, model_type), build(config)
     counts = count_params(spec)
     assert counts.total == sum(p.numel() for p in model.parameters())
@@ -85,11 +86,10 @@ def test_family_entry_matches_the_model_transformers_builds(model_type):
 
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
 def test_lora_on_every_family_trains_what_the_planner_counts(model_type):
-    peft = pytest.importorskip("peft")
     from finetune.config.options import TrainConfig
     from finetune.models.loading import lora_config
 
-    config, fam = tiny_config(model_type), families.FAMILIES[model_type]
+    config, fam = family_config(model_type), families.FAMILIES[model_type]
     spec = spec_from_config(config, model_type)
     for targets in ["all-linear"] + (["all-linear+experts", "experts.down_proj,router"] if fam.moe else []):
         model = build(config)
@@ -128,7 +128,6 @@ def test_table_decides_chunked_loss_and_gguf():
 
     assert set(CHUNKED_LOSS_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                                                "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"}
-    gguf = pytest.importorskip("finetune.export.gguf")
     assert gguf.ARCHITECTURES == {"llama": "llama", "mistral": "llama"}
     with pytest.raises(FinetuneError, match="'qwen3_moe'.*convert_hf_to_gguf.py writes it as 'qwen3moe'"):
         gguf.check_gguf_support({"model_type": "qwen3_moe"}, None)
@@ -136,7 +135,7 @@ def test_table_decides_chunked_loss_and_gguf():
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"])
 def test_shrunk_configs_build_the_same_classes(model_type):
-    config = families.shrink(tiny_config(model_type), layers=2, hidden=32, overrides={"vocab_size": 64})
+    config = families.shrink(family_config(model_type), layers=2, hidden=32, overrides={"vocab_size": 64})
     model = build(config)
     fam = families.FAMILIES[model_type]
     assert fam.decoder_layer in {type(m).__name__ for m in model.modules()}

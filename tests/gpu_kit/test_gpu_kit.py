@@ -14,7 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import LIGER_BROKEN, LIGER_WORKING, REPO, tiny_model, word_rows, word_run_model, write_jsonl
+from helpers import (LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows,
+                     write_jsonl)
 
 KIT = REPO / "bench/gpu"
 sys.path.insert(0, str(KIT))
@@ -154,19 +155,6 @@ def test_rows_run_the_trainer_with_the_planned_precision(tmp_path):
     assert all(len(line) > 512 for line in data.read_text().splitlines())
 
 
-def make_venv_seeing_these_packages(venv: Path, pip: bool = False) -> None:
-    """A venv that sees the packages this interpreter sees, also when this interpreter is itself a venv's
-    (--system-site-packages alone would show only the base interpreter's): a .pth file adds them
-    after the new venv's own site-packages, so what gets installed there wins. `pip`: its own pip, so
-    `pip install` on PATH installs into it."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", *([] if pip else ["--without-pip"]), str(venv)],
-                   check=True)
-    own = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    seen = [path for path in sys.path if path.endswith("-packages")]  # addsitedir: their own .pth files count too
-    (Path(own) / "_outer_site_packages.pth").write_text("".join(f"import site; site.addsitedir({path!r})\n" for path in seen))
-
-
 @pytest.mark.slow
 def test_run_sh_installs_and_stops_before_cuda(tmp_path):
     """run.sh in a throwaway venv on this CPU machine: installs a wheel the venv lacks, keeps an
@@ -207,7 +195,7 @@ def row_flags(model: Path, data: Path, output_dir: Path, *extra: str) -> list[st
 def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
     """Rows forked from the preloaded server: each trains and writes its metrics and log; a row with a
     bad flag reports finetune's one-line error and exit code; one past its time is killed."""
-    model, data = word_run_model(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
+    model, data = tiny_model_dir(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
     runner = RowRunner()
     for name in ("first", "second"):
         out = tmp_path / name
@@ -433,7 +421,6 @@ def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
     """The SFTConfig each TRL row runs with, built without a GPU (transformers is told bf16 is
     available, as on the H100): micro batch, no accumulation, bf16, non-reentrant checkpointing,
     fused AdamW, whole rows of --seq-len, and use_liger_kernel per row."""
-    pytest.importorskip("trl", reason="trl comes with the test extra: pip install -c constraints.txt -e .[test]")
     import baselines
     import transformers.training_args
 
@@ -451,7 +438,6 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
     """SFTTrainer keeps finetune's ids and labels (no retokenizing, truncating or packing) and the
     clock times every update: 2 updates of a 2-layer Llama on CPU (bf16 off: this CPU run checks the
     data path, not the speed)."""
-    pytest.importorskip("trl", reason="trl comes with the test extra: pip install -c constraints.txt -e .[test]")
     import baselines
     import transformers.training_args
 

@@ -75,7 +75,6 @@ def test_liger_speedup_follows_from_the_bytes_its_kernels_save():
 
 
 def test_refitting_the_committed_measurements_gives_the_committed_coefficients():
-    pytest.importorskip("scipy", reason="scipy comes with the test extra: pip install -c constraints.txt -e .[test]")
     refit = speed_fit.fit(ROWS)
     for field in fields(CALIBRATION):
         ours, theirs = getattr(refit, field.name), getattr(CALIBRATION, field.name)
@@ -97,7 +96,6 @@ def test_the_committed_shape_families_are_the_measured_ones():
 @pytest.mark.slow
 def test_the_committed_spreads_are_the_cross_validated_errors():
     """~40 refits (leave one row, one shape family, one chip out): the spreads every range rests on."""
-    pytest.importorskip("scipy")
     spreads = speed_fit.spreads(speed_fit.cross_validation(ROWS))
     assert spreads == pytest.approx(SPREAD, abs=0.01)
     assert spreads["measured"] <= spreads["chip"]

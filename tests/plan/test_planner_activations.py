@@ -12,18 +12,15 @@ dequantization scratch the stand-in does not need.
 from dataclasses import replace
 
 import pytest
+import torch
+import transformers
 
 from finetune.config.options import TrainConfig
-from finetune.models import catalog
+from finetune.models import catalog, loading
 from finetune.plan import gpus
 from finetune.plan.memory import dequant_scratch_bytes, estimate
 from finetune.plan.params import NF4_DOUBLE_QUANT_BYTES, count_params
 from finetune.plan.workload import Workload
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-loading = pytest.importorskip("finetune.models.loading")  # imports torch and transformers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, retrain
 from safetensors import safe_open
-from test_strategies_distributed import STEPS, retrain
 from transformers import AutoModelForCausalLM
 
 from finetune.models import gguf_import
@@ -34,6 +33,7 @@ from finetune.config.names import IGNORE_INDEX
 
 pytestmark = pytest.mark.slow
 
+STEPS = 3  # updates of each 2-process run, as in a rehearsal
 SYSTEM = "You answer questions about the Quillo lamp."
 FACTS = [("What color is the Quillo lamp?", "The Quillo lamp is teal."),
          ("How many bulbs does the Quillo lamp have?", "The Quillo lamp has three bulbs."),
@@ -194,7 +194,7 @@ def launch(accelerate_config: str, chats: Path, out: Path) -> rehearse.Rehearsal
     command = rehearse.launch_command(str(REPO / "accelerate_configs" / accelerate_config), 2, free_port(), run_yaml)
     command += flags(chats, out, "--micro-batch-size", "1", "--max-steps", str(STEPS), "--save-every", str(STEPS),
                      "--max-eval-examples", "0", "--precision", "fp32", "--max-seq-len", "48")
-    return retrain(command, out)
+    return retrain(command, out, STEPS)
 
 
 def test_fsdp2_and_zero3_train_the_real_model_on_2_processes(smollm2_dir, chats, tmp_path, monkeypatch):

@@ -7,23 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import build_word_run, tiny_model, train_steps, word_tokenizer
+from helpers import build_word_run, tiny_model_dir, train_steps, word_tokenizer
+from test_families import FAMILY_CONFIGS, family_config
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.models import loading
-from test_families import TINY, tiny_config
-
-bitsandbytes = pytest.importorskip("bitsandbytes")
-
-
-def saved_tiny(folder, shape: str, **config) -> str:
-    model = tiny_model(shape, seed=0, vocab_size=64)
-    for key, value in config.items():
-        setattr(model.config, key, value)
-    model.save_pretrained(folder)
-    word_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 def nf4_rounded(weight: torch.Tensor) -> torch.Tensor:
@@ -37,7 +26,7 @@ def nf4_rounded(weight: torch.Tensor) -> torch.Tensor:
 def test_qlora_packs_the_experts_as_they_load_with_the_logits_of_nf4_rounded_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    source = saved_tiny(tmp_path / "m", "qwen3-30b-a3b")
+    source = str(tiny_model_dir(tmp_path / "m", "qwen3-30b-a3b"))
     run = resolve_run(TrainConfig(model=source, method="qlora", lora_targets="all-linear+experts"), Launch(), Device())
     quantized = loading.load_model(run, torch.device("cpu"))
     experts = quantized.get_base_model().model.layers[0].mlp.experts.get_base_layer()
@@ -59,7 +48,7 @@ def test_qlora_packs_the_experts_as_they_load_with_the_logits_of_nf4_rounded_wei
 def test_lora_on_4bit_experts_adds_one_update_per_forward_and_trains(tmp_path):
     """PEFT 0.21 leaves its LoRA proxy on a parameter bitsandbytes already parametrizes, stacking one
     more ΔW per forward (experts_4bit.fit_lora_to_4bit_experts): repeated forwards must agree."""
-    source = saved_tiny(tmp_path / "m", "mixtral-8x7b")
+    source = str(tiny_model_dir(tmp_path / "m", "mixtral-8x7b"))
     run = resolve_run(TrainConfig(model=source, method="qlora", lora_targets="experts", lora_r=4), Launch(), Device())
     model = loading.load_model(run, torch.device("cpu"))
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -92,16 +81,16 @@ def test_lora_on_4bit_experts_adds_one_update_per_forward_and_trains(tmp_path):
     ("olmoe-1b-7b", "qlora", "experts"),
     ("deepseek-v2-lite", "lora", "all-linear+experts"),
     ("gemma-3-12b", "qlora", "all-linear"),
-    ("qwen2_moe", "qlora", "all-linear+experts"),  # families without a catalog entry: test_families.py's tiny config
+    ("qwen2_moe", "qlora", "all-linear+experts"),  # families without a catalog entry: test_families.py's FAMILY_CONFIGS
     ("deepseek_v3", "qlora", "all-linear+experts"),
 ])
 def test_tiny_configs_of_each_family_train(shape, method, targets, tmp_path):
     model = {}
-    if shape in TINY:
+    if shape in FAMILY_CONFIGS:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config(shape))).save_pretrained(tmp_path / "m")
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(**family_config(shape))).save_pretrained(tmp_path / "m")
         word_tokenizer().save_pretrained(tmp_path / "m")
         model = {"model": str(tmp_path / "m")}
     session = build_word_run(tmp_path / "run", method=method, shape="tiny" if model else shape, lora_targets=targets,
@@ -123,7 +112,7 @@ def test_the_load_balancing_loss_is_averaged_over_micro_batches_and_logged_apart
     from finetune.train import loop
     from finetune.train.run import router_aux_loss_coef
 
-    source = saved_tiny(tmp_path / "m", "mixtral-8x7b", output_router_logits=True, router_aux_loss_coef=0.5)
+    source = str(tiny_model_dir(tmp_path / "m", "mixtral-8x7b", output_router_logits=True, router_aux_loss_coef=0.5))
     session = build_word_run(tmp_path / "run", model=source, micro_batch_size=4, global_batch_size=8)
     model, coef = session.model, router_aux_loss_coef(session.model)
     assert coef == 0.5 and session.accelerator.gradient_accumulation_steps == 2

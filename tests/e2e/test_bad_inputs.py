@@ -424,8 +424,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """The catalog's `tiny` model, written once as a model directory (config, weights, tokenizer)."""
+def catalog_tiny_dir(tmp_path_factory) -> Path:
+    """The catalog's `tiny` model as `--model tiny` writes it (config, random-init weights, builtin
+    tokenizer), once, for the cases' `--model tiny-model`."""
     from finetune.models import loading
     from finetune.models.catalog import get
 
@@ -435,10 +436,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model) -> Path:
+def finished_run(tmp_path_factory, catalog_tiny_dir) -> Path:
     """A finished one-update run with a checkpoint, as the user's output dir."""
     parent = tmp_path_factory.mktemp("runs")
-    (parent / "tiny-model").symlink_to(tiny_model, target_is_directory=True)
+    (parent / "tiny-model").symlink_to(catalog_tiny_dir, target_is_directory=True)
     subprocess.run([sys.executable, "-m", "finetune", *shlex.split(SHORT), "--output-dir", "run", "--save-every", "1"],
                    cwd=parent, check=True, capture_output=True, timeout=600)
     return parent / "run"
@@ -448,7 +449,7 @@ def prepare(case: Case, folder: Path, request) -> None:
     """The case's folder: the prepared model and run it uses, its files, then its setup."""
     words = shlex.split(case.argv)
     if "tiny-model" in words or case.setup is not None:
-        (folder / "tiny-model").symlink_to(request.getfixturevalue("tiny_model"), target_is_directory=True)
+        (folder / "tiny-model").symlink_to(request.getfixturevalue("catalog_tiny_dir"), target_is_directory=True)
     if any(word == "run" or word.startswith("run/") for word in words):
         shutil.copytree(request.getfixturevalue("finished_run"), folder / "run")
     for name, content in case.files.items():
