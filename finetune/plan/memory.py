@@ -23,7 +23,7 @@ GIB = 2**30
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli.py), which keeps the gap small: one H100,
 # a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
 # allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
-# largest measured ratio − 1 with expandable segments (bench/gpu/measured/*.csv, bench/speed_fit.py).
+# largest measured ratio − 1 with expandable segments (plan/calibration/measured/*.csv, bench/speed_fit.py).
 ALLOCATOR_SLACK = 0.16
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
@@ -358,14 +358,14 @@ def kept_layer_activations(w: Workload) -> float:
 
 
 # The most tokens per micro-batch of a measured GPU run that kept every layer's activations (no
-# checkpointing: bench/gpu/measured/h100-2026-11-25.csv, llama-3.2-1b at 2048 × 1). The measured
+# checkpointing: plan/calibration/measured/h100-2026-11-25.csv, llama-3.2-1b at 2048 × 1). The measured
 # 7B runs at 4096 × 2 and 4096 × 4 checkpointed every layer (planned within 3 %).
 MEASURED_KEPT_TOKENS = 2048
 
 
 def unmeasured_terms(w: Workload) -> list[str]:
-    """What of `w`'s memory no GPU run has measured yet (bench/gpu/measured/*.csv; the GPU kit's
-    first command measures each): every plan lists them, and the partial checkpointing
+    """What of `w`'s memory no GPU run has measured yet (plan/calibration/measured/*.csv; the GPU
+    kit's first command measures each): every plan lists them, and the partial checkpointing
     recommendation keeps a margin on the first (plan.choose.KEPT_ACTIVATIONS_MARGIN)."""
     terms = []
     kept = w.model.num_layers - w.recomputed_layers

@@ -2,7 +2,7 @@
 catalog shape (random init, no download), FSDP2 and ZeRO-2-offload in one process, save → resume →
 export, the fit check, and `finetune doctor`.
 
-Marked `gpu`: `bench/gpu/run.sh` runs them on a lent GPU (`pytest -m gpu`); CI deselects them
+Marked `gpu`: `bench/gpu_kit/run.sh` runs them on a lent GPU (`pytest -m gpu`); CI deselects them
 (`-m "not slow and not gpu"`); without CUDA they are skipped with that reason. They use the
 trainer's `--precision` flag and its fit check (issue 8, the lead's change).
 """
@@ -19,14 +19,14 @@ from helpers import REPO
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(REPO / "bench/gpu"))
+sys.path.insert(0, str(REPO / "bench/gpu_kit"))
 
 from memory import random_checkpoint  # noqa: E402
 
 from finetune.models.catalog import get  # noqa: E402
 from finetune.plan.params import count_params  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: bench/gpu/run.sh")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: bench/gpu_kit/run.sh")]
 
 GIB = 2**30
 # a few updates at a constant, large LR: enough to see the loss fall from a random init

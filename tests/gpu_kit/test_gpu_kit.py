@@ -17,7 +17,7 @@ import pytest
 from helpers import (LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows,
                      write_jsonl)
 
-KIT = REPO / "bench/gpu"
+KIT = REPO / "bench/gpu_kit"
 sys.path.insert(0, str(KIT))
 
 import memory  # noqa: E402
@@ -122,7 +122,7 @@ def test_dry_run_lists_rows_with_the_planners_predictions(tmp_path):
 
 
 def test_layout_rows_list_tp_and_cp_beside_fsdp_alone_with_the_planners_predictions(tmp_path):
-    """bench/gpu/layouts.py on CPU: every TP/CP row follows FSDP2 alone on the same GPUs, with the
+    """bench/gpu_kit/layouts.py on CPU: every TP/CP row follows FSDP2 alone on the same GPUs, with the
     plan of its exact launch; rows needing more GPUs than there are are listed, not run."""
     import layouts
 
@@ -453,7 +453,7 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
 
 
 def defaults_rows(tmp_path: Path, *flags: str) -> list[dict]:
-    """bench/gpu/defaults.py run with `flags` (in its own process: it sets the allocator before torch loads)."""
+    """bench/gpu_kit/defaults.py run with `flags` (in its own process: it sets the allocator before torch loads)."""
     done = subprocess.run([sys.executable, str(KIT / "defaults.py"), "--out", str(tmp_path / "out"), "--work",
                            str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

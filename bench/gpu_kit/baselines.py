@@ -1,9 +1,9 @@
-"""The rows of bench/gpu/throughput.py that are not finetune, one per process (throughput.py
+"""The rows of bench/gpu_kit/throughput.py that are not finetune, one per process (throughput.py
 launches them so that no row inherits another's allocator state):
 
-    python bench/gpu/baselines.py trl [--liger] --checkpoint DIR --data ROWS.jsonl --seq-len N
+    python bench/gpu_kit/baselines.py trl [--liger] --checkpoint DIR --data ROWS.jsonl --seq-len N
         --micro-batch-size B --steps S [--method lora|qlora] --result RESULT.json
-    python bench/gpu/baselines.py peft-loop ...same flags, without --liger
+    python bench/gpu_kit/baselines.py peft-loop ...same flags, without --liger
 
 trl: TRL's SFTTrainer as its docs set it up (SFTConfig, peft_config=LoraConfig), with
 use_liger_kernel per row. peft-loop: transformers + PEFT and a plain loop with

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # The GPU validation kit: one device command, under 10 minutes, results only under $OUT.
-#   bash bench/gpu/wheels.sh                                              # once, on the CPU machine
-#   run(command="bash bench/gpu/run.sh", carry=["bench/gpu/wheels"])       # on the device: the first command a GPU gets
+#   bash bench/gpu_kit/wheels.sh                                             # once, on the CPU machine
+#   run(command="bash bench/gpu_kit/run.sh", carry=["bench/gpu_kit/wheels"])  # on the device: the first command a GPU gets
 # Steps (each prints "== step" into $OUT/run.log):
 #   1. environment: GPU, driver, packages                         → $OUT/environment.txt
 #   2. install the carried wheels the image lacks (offline, never replacing installed packages),
 #      then the project (--no-deps)                                → $OUT/pip-check.txt
 #   3. stop with exit code 3 when there is no CUDA device (everything above runs on CPU too)
-#   4. bench/gpu/defaults.py (KIT_STEPS=defaults, ~KIT_DEFAULTS_SECONDS): on 2-layer cuts of full-width
+#   4. bench/gpu_kit/defaults.py (KIT_STEPS=defaults, ~KIT_DEFAULTS_SECONDS): on 2-layer cuts of full-width
 #      Mistral-7B and Llama-3.1-8B, the model's own loss vs the chunked loss vs Liger for LoRA and QLoRA
 #      (loss, LoRA gradients, peak memory vs plan, ms per update), fused vs foreach AdamW, whether
 #      expandable segments take effect                             → $OUT/defaults.md, defaults.csv
-#   5. bench/gpu/throughput.py (KIT_STEPS=throughput): the 7B rows, finetune's defaults and their A/B
+#   5. bench/gpu_kit/throughput.py (KIT_STEPS=throughput): the 7B rows, finetune's defaults and their A/B
 #      first (--no-chunked-loss, the planned partial checkpointing with its memory vs the plan, --liger),
 #      then TRL + Liger, TRL, a bare PEFT loop, the compiled rows, until the deadline
 #                                                                  → $OUT/throughput.csv, throughput-*.log
 #   6. pytest -m gpu (KIT_STEPS=tests): real CUDA steps of every method, FSDP2, ZeRO-2-offload,
 #      resume/export, fit check                                    → $OUT/gpu-tests.log, gpu-tests.xml
 #   7. finetune doctor (KIT_STEPS=doctor)                          → $OUT/doctor.txt, doctor.json
-#   8. bench/gpu/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
+#   8. bench/gpu_kit/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
 #      (forked.py)                                                 → $OUT/memory.md, memory.csv
-#   9. bench/gpu/layouts.py (KIT_STEPS=layouts, 2+ GPUs): FSDP2 + TP and FSDP2 + CP rows beside FSDP2 alone
+#   9. bench/gpu_kit/layouts.py (KIT_STEPS=layouts, 2+ GPUs): FSDP2 + TP and FSDP2 + CP rows beside FSDP2 alone
 #      on the same GPUs; rows needing more GPUs than the machine has are listed → $OUT/layouts.md, layouts.csv
 # Knobs: KIT_STEPS (default "defaults throughput": what a lent GPU answers first; "tests doctor memory" for a
 # second command), KIT_SECONDS (total budget, default 570), KIT_DEFAULTS_SECONDS (cap for step 4, default 200),
@@ -33,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
 BUDGET=${KIT_SECONDS:-570}
-WHEELS=${KIT_WHEELS:-bench/gpu/wheels}
+WHEELS=${KIT_WHEELS:-bench/gpu_kit/wheels}
 WORK=${KIT_WORK:-/tmp/finetune-gpukit}
 STEPS=${KIT_STEPS:-defaults throughput}
 mkdir -p "$OUT" "$WORK"
@@ -56,7 +56,7 @@ step "environment"
 head -2 "$OUT/environment.txt"
 
 step "install wheels from $WHEELS and the project"
-python bench/gpu/wheels.py install --dest "$WHEELS"
+python bench/gpu_kit/wheels.py install --dest "$WHEELS"
 python -m pip install -q --no-index --no-deps --no-build-isolation -e .
 python -m pip check > "$OUT/pip-check.txt" 2>&1 || echo "pip check reports conflicts (kept going): see pip-check.txt"
 python -c "import datasets, bitsandbytes, deepspeed, finetune; print('imports ok: datasets', datasets.__version__, '| bitsandbytes', bitsandbytes.__version__, '| deepspeed', deepspeed.__version__)" \
@@ -75,7 +75,7 @@ if wanted defaults; then
   cap=${KIT_DEFAULTS_SECONDS:-200}; (( $(left) - 10 < cap )) && cap=$(( $(left) - 10 ))
   # no case starts within 20 s of the deadline; the timeout only stops one that hangs (its row is then missing)
   # shellcheck disable=SC2086
-  timeout --kill-after 10 $(( cap + 40 )) python bench/gpu/defaults.py --out "$OUT" --work "$WORK/defaults" \
+  timeout --kill-after 10 $(( cap + 40 )) python bench/gpu_kit/defaults.py --out "$OUT" --work "$WORK/defaults" \
     --deadline $(( $(date +%s) + cap )) ${KIT_DEFAULTS_ARGS:-} || echo "defaults: exit $? (see defaults.md)"
   rm -rf "$WORK/defaults"
 fi
@@ -83,7 +83,7 @@ fi
 if wanted throughput; then
   step "throughput: finetune's defaults and their A/B, TRL, a bare PEFT loop"
   # shellcheck disable=SC2086
-  python bench/gpu/throughput.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_THROUGHPUT_ARGS:-} \
+  python bench/gpu_kit/throughput.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_THROUGHPUT_ARGS:-} \
     || echo "throughput: exit $? (a finetune row failed; see throughput.csv)"
 fi
 
@@ -106,13 +106,13 @@ fi
 if wanted memory; then
   step "memory and speed grid"
   # shellcheck disable=SC2086
-  python bench/gpu/memory.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_MEMORY_ARGS:-} \
+  python bench/gpu_kit/memory.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) ${KIT_MEMORY_ARGS:-} \
     || echo "memory grid: exit $?"
 fi
 
 if wanted layouts; then
   step "TP and CP layouts"
-  python bench/gpu/layouts.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) \
+  python bench/gpu_kit/layouts.py --out "$OUT" --work "$WORK/memory" --deadline $(( START + BUDGET - 10 )) \
     || echo "layouts: exit $?"
 fi
 

@@ -1,8 +1,8 @@
 """Tensor- and context-parallel rows of the GPU kit: memory and tokens/s of multi-GPU layouts,
 measured with the real trainer and set beside the planner's prediction for exactly that run.
 
-    python bench/gpu/layouts.py --out DIR [--deadline EPOCH_SECONDS]    # on 2+ GPUs (bench/gpu/run.sh, KIT_STEPS=layouts)
-    python bench/gpu/layouts.py --dry-run [--gpu H100-80GB] [--gpus 8]   # the rows and their predictions, no GPU
+    python bench/gpu_kit/layouts.py --out DIR [--deadline EPOCH_SECONDS]    # on 2+ GPUs (bench/gpu_kit/run.sh, KIT_STEPS=layouts)
+    python bench/gpu_kit/layouts.py --dry-run [--gpu H100-80GB] [--gpus 8]   # the rows and their predictions, no GPU
 
 Each row is `accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes N -m finetune
 … [--tp T | --cp C]` on memory.py's random-init checkpoint of the shape and its text rows of exactly
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(ROWS)} layout rows on {args.gpus}× {device}", flush=True)
     results = run_rows(ROWS, gpu, capacity, args.gpus, args.work or memory.DEFAULT_WORK, args.deadline, args.dry_run)
-    command = "python bench/gpu/layouts.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/gpu_kit/layouts.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(results, args.out, f"TP and CP layouts, measured vs planned: {args.gpus}× {device}; {started}; `{command}`; "
                   f"{memory.STEPS} updates per row, micro batch 1, rank 0's peaks; planner: `finetune --dry-run --json` "
                   "of each row's command on that many GPUs.")

@@ -1,7 +1,7 @@
 """The defaults no GPU has run yet, each beside its alternative, on 2-layer cuts of full-width catalog shapes.
 
-    python bench/gpu/defaults.py --out DIR [--deadline EPOCH_SECONDS]     # on the GPU (bench/gpu/run.sh, first)
-    python bench/gpu/defaults.py --dry-run [--gpu H200]                   # the cases and their planned figures
+    python bench/gpu_kit/defaults.py --out DIR [--deadline EPOCH_SECONDS]     # on the GPU (bench/gpu_kit/run.sh, first)
+    python bench/gpu_kit/defaults.py --dry-run [--gpu H200]                   # the cases and their planned figures
 
 Mistral-7B and Llama-3.1-8B cut to 2 decoder layers (the real width, heads, MLP and vocabulary, so
 the LM head and the loss are full size and each step takes well under a second), random init in
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                          if _installed(name))
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/gpu/defaults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/gpu_kit/defaults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"finetune's defaults beside their alternatives, 2-layer cuts of full-width shapes: {where}; {started}; "
               f"{versions}; `{command}`. Planned: what the planner plans for each case's run on {gpu.name}.")
     results = run_all(args, gpu, header)

@@ -1,8 +1,8 @@
 """The wheels the GPU device image lacks, small enough to travel with the working tree.
 
-    python bench/gpu/wheels.py download      # on the CPU machine, online (bench/gpu/wheels.sh)
-    python bench/gpu/wheels.py budget        # what will travel: tree + wheels against 64 MiB
-    python bench/gpu/wheels.py install       # on the device, offline (bench/gpu/run.sh)
+    python bench/gpu_kit/wheels.py download      # on the CPU machine, online (bench/gpu_kit/wheels.sh)
+    python bench/gpu_kit/wheels.py budget        # what will travel: tree + wheels against 64 MiB
+    python bench/gpu_kit/wheels.py install       # on the device, offline (bench/gpu_kit/run.sh)
 
 The device image (Python 3.12, torch 2.11 + CUDA 13, accelerate 1.15, transformers 5.17, peft,
 safetensors, tokenizers, pyyaml, tqdm, matplotlib, pytest) has no datasets, bitsandbytes,
@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-WHEELS_DIR = REPO / "bench/gpu/wheels"
+WHEELS_DIR = REPO / "bench/gpu_kit/wheels"
 BUDGET_BYTES = 64 * 2**20  # what the device run carries: working tree + ignored paths
 PYTHON = "3.12"  # the device image's
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -73,7 +73,7 @@ WHEELS = (
     Wheel("pydantic-core==2.33.2", "pydantic"),
     Wheel("annotated-types==0.7.0", "pydantic"),
     Wheel("typing-inspection==0.4.1", "pydantic"),
-    # bench/gpu/throughput.py's other rows; pure Python, their dependencies are the image's or above. Both
+    # bench/gpu_kit/throughput.py's other rows; pure Python, their dependencies are the image's or above. Both
     # checked against transformers 5.17 on CPU: SFTTrainer trains a tiny Llama on pre-tokenized rows, and
     # Liger patches a tiny Mistral (its kernels need triton, which CUDA torch brings)
     Wheel("trl==1.16.0", "throughput.py's TRL SFTTrainer rows"),
@@ -150,7 +150,7 @@ def install(dest: Path) -> list[str]:
     """pip-install (offline, without dependencies) the wheels whose distribution is missing here;
     an installed distribution is never replaced. Returns the distributions installed."""
     if not list(dest.glob("*.whl")):
-        print(f"no wheels in {dest}: run `bash bench/gpu/wheels.sh` on the CPU machine and carry the folder", file=sys.stderr)
+        print(f"no wheels in {dest}: run `bash bench/gpu_kit/wheels.sh` on the CPU machine and carry the folder", file=sys.stderr)
     installed = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in metadata.distributions() if d.metadata["Name"]}
     missing = [p for p in sorted(dest.glob("*.whl")) if distribution(p) not in installed]
     for p in sorted(dest.glob("*.whl")):
@@ -165,7 +165,7 @@ def install(dest: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("download", "budget", "install"))
-    parser.add_argument("--dest", type=Path, default=WHEELS_DIR, help="the wheels folder (default bench/gpu/wheels)")
+    parser.add_argument("--dest", type=Path, default=WHEELS_DIR, help="the wheels folder (default bench/gpu_kit/wheels)")
     parser.add_argument("--python", default=PYTHON, help="target Python of download (default: the device's 3.12)")
     args = parser.parse_args(argv)
     if args.action == "install":
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     used, limit = budget(args.dest)
     print(f"travels: {used / 2**20:.1f} MiB of {limit / 2**20:.0f} MiB (tree {tree_bytes() / 2**20:.1f} MiB + wheels)")
     if used > limit:
-        print("over budget: drop a wheel or slim it further (see WHEELS in bench/gpu/wheels.py)", file=sys.stderr)
+        print("over budget: drop a wheel or slim it further (see WHEELS in bench/gpu_kit/wheels.py)", file=sys.stderr)
         return 1
     return 0
 

@@ -6,7 +6,7 @@ imports, torch registering its custom ops, compiling bytecode, matplotlib's font
 pays the imports once and hands each row a fresh child from there: the row still gets its own
 process (its own CUDA context and peak-memory counters, the whole GPU back when it exits), but
 starts with the libraries loaded. On the 2-core CPU machine a tiny row takes 11.5 s as its own
-process and 5.3 s forked (`python bench/gpu/row_start.py`, bench/RESULTS.md).
+process and 5.3 s forked (`python bench/gpu_kit/row_start.py`, bench/RESULTS.md).
 
 The server must never touch CUDA (a child forked after CUDA initialised cannot use it), so torch
 checks devices through NVML, and peft is not preloaded: it imports bitsandbytes, which queries the

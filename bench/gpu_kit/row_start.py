@@ -1,7 +1,7 @@
 """What a grid row costs before it trains: the same tiny run as its own `python -m finetune` and
-forked from the kit's preloaded server (bench/gpu/forked.py), on whatever machine this runs on.
+forked from the kit's preloaded server (bench/gpu_kit/forked.py), on whatever machine this runs on.
 
-    python bench/gpu/row_start.py [--rows 4]
+    python bench/gpu_kit/row_start.py [--rows 4]
 
 Each row is 3 updates of the catalog's `tiny` model on the builtin data, so nearly all of its
 seconds are start-up. The first forked row includes starting the server.

@@ -1,8 +1,8 @@
 """GPU memory and speed of single-GPU runs on catalog shapes, measured with the real trainer and
 set beside the planner's prediction for exactly that run.
 
-    python bench/gpu/memory.py --out DIR [--deadline EPOCH_SECONDS]        # on the GPU (bench/gpu/run.sh)
-    python bench/gpu/memory.py --dry-run [--gpu H200] [--limit N]           # the grid and its predictions, no GPU
+    python bench/gpu_kit/memory.py --out DIR [--deadline EPOCH_SECONDS]        # on the GPU (bench/gpu_kit/run.sh)
+    python bench/gpu_kit/memory.py --dry-run [--gpu H200] [--limit N]           # the grid and its predictions, no GPU
 
 Each row is `python -m finetune … --max-steps N` on a random-init checkpoint of the catalog shape
 (written once per shape, in 16-bit like the published weights, and reused by every row) with text
@@ -307,14 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="each row as its own `python -m finetune` (as users run it) instead of forked from a preloaded server")
     args = parser.parse_args(argv)
     if args.dry_run and args.gpu is None:
-        args.gpu = "H200"  # the GPU lent now; the H100's rows of 2026-11-25 stay in bench/gpu/measured/
+        args.gpu = "H200"  # the GPU lent now; the H100's rows of 2026-11-25 stay in finetune/plan/calibration/measured/
     gpu, capacity, device = device_description(args.gpu)
     rows = least_sure_first(grid(args.models.split(","), args.methods.split(",")), gpu)[: args.limit]
     work = args.work or DEFAULT_WORK
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(rows)} rows on {device}", flush=True)
     results = run_grid(rows, gpu, capacity, work, args.deadline, args.dry_run, RowRunner(fork=not args.no_fork))
-    command = "python bench/gpu/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/gpu_kit/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"GPU memory and speed, measured vs planned: {device}; {started}; `{command}`; {STEPS} updates per row "
               f"(tokens/s: median after the first), random-init weights, text rows of exactly seq tokens. "
               f"Planner: what `finetune --dry-run --json` plans for each row's training flags.")

@@ -1,15 +1,15 @@
 """finetune's defaults against their alternatives and against TRL SFTTrainer (± Liger) and a bare PEFT loop,
 one shape, one GPU, one command.
 
-    python bench/gpu/throughput.py --dry-run [--gpu H200]           # the rows, their commands and finetune's plan, no GPU
-    python bench/gpu/throughput.py --out DIR [--work DIR] [--deadline EPOCH_SECONDS] [--model mistral-7b]
+    python bench/gpu_kit/throughput.py --dry-run [--gpu H200]           # the rows, their commands and finetune's plan, no GPU
+    python bench/gpu_kit/throughput.py --out DIR [--work DIR] [--deadline EPOCH_SECONDS] [--model mistral-7b]
         [--method lora] [--seq-len 4096] [--micro-batch-size 2] [--steps 6]
 
 The shape of issue 15's goal by default: a random-init Mistral-7B (memory.py's checkpoint, written
 once into --work), LoRA r16 alpha 32 on all linear layers, bf16 base, gradient checkpointing, text
 rows of exactly --seq-len tokens. Each row runs in its own process (so one row's allocator state and
 compiled graphs do not help the next), for --steps updates: finetune's rows are `python -m finetune`,
-TRL's and the bare PEFT loop's are bench/gpu/baselines.py, on the same checkpoint and the same token
+TRL's and the bare PEFT loop's are bench/gpu_kit/baselines.py, on the same checkpoint and the same token
 ids, every one with the allocator finetune sets for itself (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 unless the environment sets it). Tokens/s is the median update after the first (compile time, if any,
 is in the first and reported apart), with torch.cuda.max_memory_allocated/reserved of the row's
@@ -21,7 +21,7 @@ liger-kernel missing) is listed as "skipped: why"; one that would start too clos
 that the deadline stops, as "not run: time". Writes DIR/throughput.csv after every row and each row's
 log as DIR/throughput-ROW.log, prints a table; exits 0 unless a finetune row failed (a row not run
 is not a failure) or none could run at all. trl and liger-kernel are pure Python: carry their wheels
-in bench/gpu/wheels (bench/gpu/wheels.sh).
+in bench/gpu_kit/wheels (bench/gpu_kit/wheels.sh).
 
 Not yet run on a GPU: no GPU was lent to the sessions that wrote it (bench/RESULTS.md); the CPU tests
 (tests/gpu_kit/test_gpu_kit.py) cover the dry run, the commands, the order, the deadline and the baselines' configs.
@@ -159,9 +159,9 @@ def skip_reason(row: Row, cuda: bool, model_type: str = "mistral") -> str | None
     if not cuda:
         return "no CUDA device"
     if row.program == "trl" and importlib.util.find_spec("trl") is None:
-        return "trl is not installed (carry bench/gpu/wheels: bash bench/gpu/wheels.sh)"
+        return "trl is not installed (carry bench/gpu_kit/wheels: bash bench/gpu_kit/wheels.sh)"
     if row.liger and liger_problem(cuda, model_type):
-        return f"{liger_problem(cuda, model_type)} (carry bench/gpu/wheels: bash bench/gpu/wheels.sh)"
+        return f"{liger_problem(cuda, model_type)} (carry bench/gpu_kit/wheels: bash bench/gpu_kit/wheels.sh)"
     return None
 
 
