@@ -3,10 +3,10 @@
     python bench/planner_accuracy.py [--calibration-csv PATH] [--held-out-csv PATH]
 
 Two sets of rows, reported apart:
-- calibration: bench/calibration/measurements.csv (litgpt resource tables and config hub, Qwen's
-  profiling table). Facts in memory.py were found by looking at these rows.
-- held-out: bench/calibration/measurements_extra.csv (Answer.AI fsdp_qlora benchmarks, PEFT's
-  FSDP/DeepSpeed docs, torchtune's tutorials and README). Every translation below is a setting
+- calibration: finetune/plan/calibration/measurements.csv (litgpt resource tables and config hub,
+  Qwen's profiling table). Facts in memory.py were found by looking at these rows.
+- held-out: finetune/plan/calibration/measurements_extra.csv (Answer.AI fsdp_qlora benchmarks,
+  PEFT's FSDP/DeepSpeed docs, torchtune's tutorials and README). Every translation below is a setting
   the source states or its code used at that commit; bench/RESULTS.md names the two coefficients
   that were revisited after seeing these rows (the allocator slack, torchtune's compiled loss).
 
@@ -29,14 +29,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import finetune.plan
 from finetune.plan import gpus
 from finetune.models import catalog
 from finetune.models.catalog import ModelSpec
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate
 from finetune.plan.workload import Workload
 
-CALIBRATION_CSV = Path(__file__).resolve().parent / "calibration" / "measurements.csv"
-HELD_OUT_CSV = Path(__file__).resolve().parent / "calibration" / "measurements_extra.csv"
+CALIBRATION_DIR = Path(finetune.plan.__file__).parent / "calibration"  # the planner's package data
+CALIBRATION_CSV = CALIBRATION_DIR / "measurements.csv"
+HELD_OUT_CSV = CALIBRATION_DIR / "measurements_extra.csv"
 
 
 def _spec(name, layers, hidden, heads, kv, inter, vocab, tied, **shape) -> ModelSpec:
@@ -253,7 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     for path in (args.calibration_csv, args.held_out_csv):
         if not path.is_file():
-            parser.error(f"{path}: no such file (the defaults are the copies under bench/calibration/)")
+            parser.error(f"{path}: no such file (the defaults are in finetune/plan/calibration/)")
     all_cases = cases(args.calibration_csv, "calibration") + cases(args.held_out_csv, "held-out")
     points = [c for c in all_cases if "bound" not in c.row["value_type"]]
     oom_bounds = [c for c in all_cases if c.row["value_type"] == "oom_lower_bound"]

@@ -12,7 +12,7 @@ Every row is the real command in a fresh process (its summary.json is read back)
 act on this CPU: length-grouped micro-batches (`--group-by-length`, which only reorders rows inside
 an update, so it changes nothing where an update is one micro-batch: the embedded default is also run
 split into micro 4 × accumulation 4) and the chunked loss (on for LoRA). Fused AdamW and flex
-attention act only on CUDA; bench/gpu/ measures them when a GPU is lent.
+attention act only on CUDA; bench/gpu_kit/ measures them when a GPU is lent.
 
 A second table shows what grouping buys: padded tokens as a share of all tokens, for the two
 datasets at a few micro-batch × update splits, with uniformly random micro-batches, with the rows of

@@ -5,11 +5,11 @@ how far the model carries: errors on rows, shape families and chips it was not f
     python bench/speed_fit.py --fit                # refit (prints CALIBRATION, MEASURED and SPREAD to paste)
     python bench/speed_fit.py --no-cross-validation  # in sample only (seconds instead of ~20)
 
-Rows: finetune's runs in bench/gpu/measured/*.csv (one H100 80GB; other programs' rows there are
-shown, and the ratio of TRL SFTTrainer with and without `use_liger_kernel` is fitted, since finetune
-has no Liger run yet) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB
-(bench/calibration/speed_llamafactory_a100_40gb.csv, from LLaMA-Factory's wiki; its Unsloth rows
-are shown, not fitted). Another program's rows are planned with the GPU clock only:
+Rows (the planner's package data, finetune/plan/calibration/): finetune's runs in measured/*.csv
+(one H100 80GB, written by the GPU kit, bench/gpu_kit/; other programs' rows there are shown, and the
+ratio of TRL SFTTrainer with and without `use_liger_kernel` is fitted, since finetune has no Liger run
+yet) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB (speed_llamafactory_a100_40gb.csv,
+from its wiki; its Unsloth rows are shown, not fitted). Another program's rows are planned with the GPU clock only:
 its host and software stack are not ours, so our host's issue time says nothing about them.
 
 The fit: least squares on log errors over the coefficients in log space, with a weak prior per
@@ -31,14 +31,16 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+import finetune.plan
 from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.plan.speed import CALIBRATION, Calibration, estimate_speed, gpu_seconds
 from finetune.plan.speed_range import shape_family
 from finetune.plan.workload import Workload
 
-MEASURED = Path(__file__).parent / "gpu/measured"
-PUBLISHED = Path(__file__).parent / "calibration/speed_llamafactory_a100_40gb.csv"
+CALIBRATION_DIR = Path(finetune.plan.__file__).parent / "calibration"  # the planner's package data
+MEASURED = CALIBRATION_DIR / "measured"
+PUBLISHED = CALIBRATION_DIR / "speed_llamafactory_a100_40gb.csv"
 # The committed model must plan every fitted row within this relative error (issue 15).
 TOLERANCE = 0.25
 # Host-clock coefficients, then one matmul efficiency per chip, then the GPU-clock coefficients:

@@ -1,6 +1,12 @@
 """Shared fixtures: offline environment, session caches, fresh Accelerate state, tiny runs built by
 `train.setup`, the builtin tokenizer, the tiny BPE LoRA run, SmolLM2 and an installed liger-kernel.
-Plain helpers are in helpers.py."""
+Plain helpers are in helpers.py.
+
+The folders mirror the package: tests/<folder>/ tests finetune/<folder>/ (config, models, data, plan,
+checkpoint, train, launch, export, cli) and tests/gpu_kit/ the GPU kit in bench/gpu_kit/; tests/e2e/
+runs what a user runs across every folder (README's commands as printed, bad input, what the model
+learns, a real pretrained model); the files here test the package as a whole (library logs, import
+layers, function length) and examples/. Test file names are unique across folders."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Plain helpers the tests share (fixtures are in conftest.py): tiny models shrunk from catalog entries,
-test tokenizers, JSONL rows, and tiny runs built by `train.setup` and stepped through the real loop."""
+test tokenizers, JSONL rows, tiny runs built by `train.setup` and stepped through the real loop, and
+launched runs checked like rehearsals. Every test folder imports it as `helpers` (pyproject's
+`pythonpath = ["tests"]`)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ def reset_accelerate() -> None:
 
 def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
     """The catalog entry `name` shrunk by `families.shrink` (2 layers of width 32 unless asked otherwise;
-    same class, same module names), seeded: rehearse shrinks real models the same way."""
+    same class, same module names), seeded: rehearse shrinks real models the same way. The one meaning
+    of "tiny model" in the tests; `tiny_model_dir` saves one (`--model tiny` itself is the catalog's
+    entry at its own width, 128)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,11 +107,14 @@ def bpe_llama_dir(folder: Path, vocab_size: int = 320) -> Path:
 WORD_RUN_ROWS, WORD_RUN_WORDS = 64, 7
 
 
-def word_run_model(folder: Path, shape: str = "tiny") -> Path:
-    """`folder` holding the catalog entry `shape` shrunk (seed 0; the tiny Llama unless asked) and the word
-    tokenizer, as a pretrained model would be."""
+def tiny_model_dir(folder: Path, name: str = "tiny", **config) -> Path:
+    """`folder` holding `tiny_model(name)` (seed 0; the tiny Llama unless asked; `config` set on its
+    config) and the word tokenizer, as a pretrained model would be; kept if it is there already."""
     if not folder.is_dir():
-        tiny_model(shape, seed=0).save_pretrained(folder)
+        model = tiny_model(name, seed=0)
+        for key, value in config.items():
+            setattr(model.config, key, value)
+        model.save_pretrained(folder)
         word_tokenizer().save_pretrained(folder)
     return folder
 
@@ -121,7 +128,7 @@ def build_word_run(output_dir: Path, method: str = "full", shape: str = "tiny", 
     from finetune.train.run import resolve, setup
 
     rows = write_jsonl(output_dir.with_name(output_dir.name + "-rows.jsonl"), word_rows([WORD_RUN_WORDS] * WORD_RUN_ROWS))
-    defaults = {"model": str(word_run_model(output_dir / "base_model", shape)), "dataset": str(rows), "max_eval_examples": 0,
+    defaults = {"model": str(tiny_model_dir(output_dir / "base_model", shape)), "dataset": str(rows), "max_eval_examples": 0,
                 "lr": 1e-3, "lora_r": 4, "lora_alpha": 8}
     return setup(*resolve(TrainConfig(output_dir=str(output_dir), method=method, **defaults | flags)))
 
@@ -178,3 +185,33 @@ def run_printed_launch(plan, folder: Path, env: dict, *flags: str):
                *words[5:], "--max-steps", "2", "--max-seq-len", "64", *flags, "--output-dir", str(folder / "out")]
     return subprocess.run(command, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | env, capture_output=True, text=True,
                           timeout=900)
+
+
+def retrain(command: list[str], out: Path, steps: int):
+    """Run a training command of `steps` updates (a rehearsal's, or one like it) with `--output-dir out`,
+    and check what it left there as `finetune rehearse` does; returns the inspection."""
+    import subprocess
+
+    from finetune.launch import rehearsal_outcome, rehearse
+
+    done = subprocess.run(command + ["--output-dir", str(out)], env=rehearse.rehearsal_env(),
+                          capture_output=True, text=True, timeout=900)
+    result = rehearsal_outcome.inspect_run(out, steps, done.stdout + done.stderr)
+    assert done.returncode == 0 and result.passed, rehearsal_outcome.format_report(result, steps) + done.stderr[-4000:]
+    return result
+
+
+def make_venv_seeing_these_packages(venv: Path, pip: bool = False) -> None:
+    """A venv that sees the packages this interpreter sees, also when this interpreter is itself a venv's
+    (--system-site-packages alone would show only the base interpreter's): a .pth file adds them
+    after the new venv's own site-packages, so what gets installed there wins. `pip`: its own pip, so
+    `pip install` on PATH installs into it."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", *([] if pip else ["--without-pip"]), str(venv)],
+                   check=True)
+    own = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    seen = [path for path in sys.path if path.endswith("-packages")]  # addsitedir: their own .pth files count too
+    (Path(own) / "_outer_site_packages.pth").write_text("".join(f"import site; site.addsitedir({path!r})\n" for path in seen))

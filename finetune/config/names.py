@@ -183,6 +183,6 @@ def zero_strategy(stage: int, source: str) -> Strategy:
 
 # Architectures whose CausalLM head is a bare linear layer over the backbone's last hidden state (no
 # logit scaling, soft-capping or bias; a load-balancing loss is added as the model adds it): the chunked loss (train/chunked_loss.py) is
-# checked against each one's own loss (tests/test_chunked_loss.py); config/switches.py decides where it runs.
+# checked against each one's own loss (tests/train/test_chunked_loss.py); config/switches.py decides where it runs.
 # The family table (models/families.py) says which.
 CHUNKED_LOSS_ARCHITECTURES = chunked_loss_types()

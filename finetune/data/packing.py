@@ -3,7 +3,7 @@
 Given `position_ids` and no `attention_mask` (and no KV cache: `use_cache=False`, else the check
 is skipped), transformers' mask builder (`masking_utils.find_packed_sequence_indices`) turns each
 position reset into the start of a new block of a block-diagonal causal mask, so with eager and
-SDPA attention no token attends across examples: tests/test_data.py checks that the logits equal
+SDPA attention no token attends across examples: tests/data/test_data.py checks that the logits equal
 unpacked ones. (flash_attention_2 reads the resets only when the batch is a single row.)
 The first label of every example is masked: it would otherwise be predicted from the previous
 example's last token.

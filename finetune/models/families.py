@@ -1,12 +1,12 @@
 """Everything finetune knows about a model family, one entry per transformers `model_type`.
 
 How its config.json is read (Gemma 3 nests the language model under `text_config`), which class is a
-decoder layer (FSDP2's wrap unit: transformers' `_no_split_modules` names it, tests/test_families.py
+decoder layer (FSDP2's wrap unit: transformers' `_no_split_modules` names it, tests/models/test_families.py
 checks), which module is a sparse mixture-of-experts block (a ZeRO-3 leaf, so every rank gathers the
 same experts whatever the router picked), the names LoRA can target (linear layers, and in
 transformers 5 the experts' fused 3-D parameters), whether the chunked loss replaces the model's own,
 and what llama.cpp calls the architecture. Adding a family is one entry here and one tiny config in
-tests/test_families.py.
+tests/models/test_families.py.
 
 Data and pure functions only: the planner imports this without torch.
 """
@@ -66,7 +66,7 @@ class Family:
     # dense linears (dense layers, shared experts) PEFT 0.21 takes for the experts they were in transformers 4
     # (its v4 → v5 renaming for Qwen2-MoE-like families): LoRA reaches them through their weight instead
     peft_renames: tuple[str, ...] = ()
-    chunked_loss: bool = False  # head is a bare linear on the last hidden state, checked in tests/test_chunked_loss.py
+    chunked_loss: bool = False  # head is a bare linear on the last hidden state, checked in tests/train/test_chunked_loss.py
     gguf_writer: bool = False  # finetune's own GGUF writer (export/gguf.py) writes it
     llama_cpp: str | None = None  # llama.cpp's architecture (convert_hf_to_gguf.py knows it)
 

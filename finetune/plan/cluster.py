@@ -8,7 +8,7 @@ command reads, NODE_RANK and MASTER_ADDR. Checkpoints go to storage every node m
 `--resume auto` makes a job the engine restarts continue from its newest checkpoint.
 
 Pure functions of the plan, as files.py; each file is checked in the tests by its engine's own
-library (tests/test_cluster_files.py).
+library (tests/plan/test_cluster_files.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ GIB = 2**30
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli/__init__.py), which keeps the gap small: one H100,
 # a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
 # allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
-# largest measured ratio − 1 with expandable segments (bench/gpu/measured/*.csv, bench/speed_fit.py).
+# largest measured ratio − 1 with expandable segments (plan/calibration/measured/*.csv, bench/speed_fit.py).
 ALLOCATOR_SLACK = 0.16
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
@@ -141,7 +141,7 @@ def deepspeed_optimizer_bytes(pure_bf16: bool, states: float) -> float:
     a master copy of the weights, a flat copy of the gradient partition for the step, and the Adam
     states. fp32 all three (the "16 bytes per parameter" of its estimator, with the 16-bit gradient);
     bf16 for pure bf16 full fine-tuning (bf16_master_weights_and_grads, bf16_optimizer_states).
-    Measured per rank on the engine by tests/test_resume_strategies.py."""
+    Measured per rank on the engine by tests/checkpoint/test_resume_strategies.py."""
     held = 2 if pure_bf16 else 4
     return held + held + states * held
 
@@ -322,7 +322,7 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
     if w.strategy.fsdp and w.method != "full" and not recomputed:
         # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
-        # released the last layer's saved activations (FSDPMemTracker, tests/test_planner_simulate.py;
+        # released the last layer's saved activations (FSDPMemTracker, tests/plan/test_planner_simulate.py;
         # with some layers checkpointed the simulated peak is 5-9 % under this model without it)
         in_layer -= layer
     copies = autocast_weight_copies(w) + materialized_copies(w)
@@ -351,14 +351,14 @@ def kept_layer_activations(w: Workload) -> float:
 
 
 # The most tokens per micro-batch of a measured GPU run that kept every layer's activations (no
-# checkpointing: bench/gpu/measured/h100-2026-11-25.csv, llama-3.2-1b at 2048 × 1). The measured
+# checkpointing: plan/calibration/measured/h100-2026-11-25.csv, llama-3.2-1b at 2048 × 1). The measured
 # 7B runs at 4096 × 2 and 4096 × 4 checkpointed every layer (planned within 3 %).
 MEASURED_KEPT_TOKENS = 2048
 
 
 def unmeasured_terms(w: Workload) -> list[str]:
-    """What of `w`'s memory no GPU run has measured yet (bench/gpu/measured/*.csv; the GPU kit's
-    first command measures each): every plan lists them, and the partial checkpointing
+    """What of `w`'s memory no GPU run has measured yet (plan/calibration/measured/*.csv; the GPU
+    kit's first command measures each): every plan lists them, and the partial checkpointing
     recommendation keeps a margin on the first (plan.choose.KEPT_ACTIVATIONS_MARGIN)."""
     terms = []
     kept = w.model.num_layers - w.recomputed_layers
@@ -411,7 +411,7 @@ def working_set_bytes(w: Workload) -> tuple[float, float]:
     if w.strategy.fsdp:
         layer_gradients = e * parallel.rank_trainable_params(w) / counts.num_layers if w.method != "full" else e * counts.layer
         # a mixture of experts holds a third layer unsharded at that moment (FSDPMemTracker: Mixtral and
-        # Qwen3-MoE shapes, LoRA and full, tests/test_planner_simulate.py; dense layers hold two)
+        # Qwen3-MoE shapes, LoRA and full, tests/plan/test_planner_simulate.py; dense layers hold two)
         gathered = (3 if w.model.moe else 2) * layer
         return e * counts.root, e * counts.root + gathered + layer_gradients
     largest = max(layer, e * counts.embedding, e * counts.head)

@@ -13,7 +13,7 @@ routing weight's gradient reads it) and the indices that sort tokens by expert a
 expert parameters (PEFT's ParamWrapper) and QLoRA's 4-bit experts (dequantized by bitsandbytes'
 parametrization) each hand the grouped matmul a 16-bit copy of the whole layer's experts, which
 backward keeps: one copy per layer whose activations are kept, like a saved activation that does not
-grow with the batch. Measured against MemTracker on fake tensors (tests/test_planner_simulate.py).
+grow with the batch. Measured against MemTracker on fake tensors (tests/plan/test_planner_simulate.py).
 """
 
 from __future__ import annotations

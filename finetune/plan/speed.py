@@ -13,7 +13,7 @@ One GPU's time per micro-batch is the larger of two clocks that run side by side
 Small shapes are bound by the host (a 1B LoRA at seq 512 spends the same time per update on an
 H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The optimizer step follows, memory-bound.
 The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
-bench/gpu/measured/*.csv and to published runs of another trainer (bench/calibration/speed_*.csv,
+plan/calibration/measured/*.csv and to published runs of another trainer (plan/calibration/speed_*.csv,
 fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
 chips' matmul efficiency; every estimate carries the range cross-validation supports
 (plan/speed_range.py).
@@ -64,9 +64,9 @@ class Calibration:
 
 
 # Fitted by `python bench/speed_fit.py --fit` (bench/RESULTS.md, *Speed model*) to finetune's runs on
-# one H100 80GB (bench/gpu/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
+# one H100 80GB (plan/calibration/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
 # peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
-# (bench/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 8 coefficients for 16 numbers
+# (plan/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 8 coefficients for 16 numbers
 # (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
 # fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(

@@ -142,7 +142,7 @@ def mark_for_skeleton(model: torch.nn.Module, config: BitsAndBytesConfig) -> Non
 
 def fit_lora_to_4bit_experts(model: torch.nn.Module) -> None:
     """Work around two faults of PEFT 0.21's ParamWrapper over a parameter that another
-    parametrization (the dequantization here) already owns; tests/test_moe_training.py checks both.
+    parametrization (the dequantization here) already owns; tests/models/test_moe_training.py checks both.
 
     - It adds its LoRA as a parametrization for each forward and removes it after, looking only for
       a `_LoraParameterProxy`, while for fused experts it registers a `_LoraFactorsProxy`: the proxy

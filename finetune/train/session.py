@@ -45,7 +45,7 @@ class Opened:
             return
         # The model goes before the process group. DDP's C++ reducer holds the group too; when it lets go
         # of it last, gloo joins its worker threads while holding the GIL, which a worker may need to free
-        # a finished collective's tensors: a hang at exit (tests/test_resume_strategies.py counts the DDP
+        # a finished collective's tensors: a hang at exit (tests/checkpoint/test_resume_strategies.py counts the DDP
         # modules alive when the group goes). The session has let go of the model (Session.close); an
         # error's traceback still holds the frames that built or trained it, so their locals go too.
         if error is not None:

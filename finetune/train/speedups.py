@@ -1,13 +1,13 @@
 """Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
 loss, regional compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
 architecture Liger does not cover, a package not installed or not importing) says so in one line and the
-run goes on without it; numerically each is the plain path (tests/test_speedups.py,
-tests/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
+run goes on without it; numerically each is the plain path (tests/train/test_speedups.py,
+tests/train/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
 config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
 Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
 run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
-it does not hold; compilation off until the GPU kit (bench/gpu/throughput.py) has measured it,
+it does not hold; compilation off until the GPU kit (bench/gpu_kit/throughput.py) has measured it,
 its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
 attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
 train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).

@@ -1,0 +1,498 @@
+"""The GPU validation kit's own logic, on CPU: the scripts parse, wheels are slimmed without breaking
+their RECORD, the carry budget counts what travels, memory.py lists its grid with the planner's
+predictions, and run.sh installs and stops cleanly where CUDA is first needed."""
+
+import csv
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import (LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows,
+                     write_jsonl)
+
+KIT = REPO / "bench/gpu_kit"
+sys.path.insert(0, str(KIT))
+
+import memory  # noqa: E402
+from forked import RowRunner  # noqa: E402
+
+from finetune.train.metrics import read_metrics  # noqa: E402
+import wheels  # noqa: E402
+
+
+def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
+    """A minimal valid wheel (METADATA, WHEEL, RECORD) holding `files`."""
+    info = f"{name}-{version}.dist-info"
+    members = files | {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+                       f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    members[f"{info}/RECORD"] = "".join(f"{member},sha256=x,1\n" for member in members) + f"{info}/RECORD,,\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, text in members.items():
+            archive.writestr(member, text)
+    return path
+
+
+@pytest.mark.parametrize("script", ["run.sh", "wheels.sh"])
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(KIT / script)]).returncode == 0
+
+
+def test_slimming_drops_members_and_their_record_lines(tmp_path):
+    path = make_wheel(tmp_path, "bitsandbytes", "0.50.2", {
+        "bitsandbytes/__init__.py": "", "bitsandbytes/libbitsandbytes_cuda130.so": "x" * 1000,
+        "bitsandbytes/libbitsandbytes_cuda121.so": "y" * 1000, "bitsandbytes/libbitsandbytes_rocm64.so": "z" * 1000})
+    (rule,) = [w for w in wheels.WHEELS if w.requirement.startswith("bitsandbytes==")]
+    assert wheels.slim(path, rule.drop) > 0
+    with zipfile.ZipFile(path) as archive:
+        names = set(archive.namelist())
+        record = archive.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda130.so" in names and "bitsandbytes/__init__.py" in names
+    assert not any("cuda121" in n or "rocm" in n for n in names)
+    assert {line.split(",")[0] for line in record.splitlines()} == names
+    assert wheels.slim(path, rule.drop) == 0  # nothing left to drop
+
+
+def test_every_wheel_is_pinned_and_named_like_its_file():
+    requirements = [w.requirement for w in wheels.WHEELS]
+    assert all("==" in r for r in requirements) and len(set(requirements)) == len(requirements)
+    assert {"datasets", "bitsandbytes", "deepspeed", "pyarrow", "trl", "liger-kernel"} <= {r.split("==")[0] for r in requirements}
+    assert wheels.distribution(Path("charset_normalizer-3.4.3-cp312-cp312-manylinux2014_x86_64.whl")) == "charset-normalizer"
+
+
+def test_budget_counts_the_tree_and_the_wheels(tmp_path):
+    tree = wheels.tree_bytes()
+    assert 0 < tree < wheels.BUDGET_BYTES / 8  # the code and its builtin data: well under a megabyte or two
+    (tmp_path / "big.whl").write_bytes(b"\0" * 2**20)
+    used, limit = wheels.budget(tmp_path)
+    assert used == tree + 2**20 and limit == 64 * 2**20
+
+
+def test_grid_covers_every_combination_with_base_cases_first():
+    rows = memory.grid()
+    assert len(rows) == len(set(rows)) == 4 * 3 * 2 * 2 * 2
+    first = rows[: len(memory.MODELS) * len(memory.METHODS)]
+    assert {(r.model, r.method) for r in first} == {(m, k) for m in memory.MODELS for k in memory.METHODS}
+    assert {(r.seq_len, r.gradient_checkpointing, r.micro_batch_size) for r in first} == {(512, False, 1)}
+
+
+def test_rows_the_speed_fit_is_least_sure_of_come_first():
+    """On an H100, shape families measured there (method, size band, sequence band: a 1B LoRA at
+    seq 512, a 7B LoRA at 4k stands for a 3B at 2k) wait until the families never measured have run;
+    each group keeps the grid's order."""
+    rows = memory.grid()
+    ordered = memory.least_sure_first(rows, "H100-80GB")
+    assert sorted(ordered, key=rows.index) == rows
+
+    def position(model, method, seq):
+        return min(i for i, r in enumerate(ordered) if (r.model, r.method, r.seq_len) == (model, method, seq))
+
+    unsure = [("llama-7b", "lora", 512), ("llama-3.2-1b", "qlora", 2048), ("llama-3.2-3b", "qlora", 512)]
+    sure = [("llama-3.2-1b", "lora", 512), ("llama-3.2-3b", "lora", 2048), ("llama-3.1-8b", "qlora", 2048)]
+    assert max(position(*row) for row in unsure) < min(position(*row) for row in sure)
+    assert memory.least_sure_first(rows, "H200") == ordered  # an H200 is an H100 chip
+
+
+def test_dry_run_lists_rows_with_the_planners_predictions(tmp_path):
+    result = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--gpu", "A100-40GB", "--limit", "4",
+                             "--methods", "full,qlora", "--models", "llama-3.2-1b,llama-7b", "--out", str(tmp_path),
+                             "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader((tmp_path / "memory.csv").open()))
+    # least sure first: LLaMA-Factory measured a 7B QLoRA at 1k tokens on the A100, so that row waits
+    assert [(r["model"], r["method"], r["seq_len"]) for r in rows] == [
+        ("llama-3.2-1b", "full", "512"), ("llama-3.2-1b", "qlora", "512"), ("llama-7b", "full", "512"),
+        ("llama-3.2-1b", "full", "2048")]
+    status = {(r["model"], r["method"]): r["status"] for r in rows}
+    assert status[("llama-3.2-1b", "qlora")] == "dry run"
+    assert status[("llama-7b", "full")].startswith("skipped: predicted")  # ~16 B/parameter > 40 GB
+    assert all(float(r["predicted_allocated_gib"]) > 0 and float(r["predicted_tokens_per_second"]) > 0 for r in rows)
+    (example,) = [line for line in result.stdout.splitlines() if line.startswith("each row runs, e.g.: python -m finetune")]
+    assert "--method full --precision bf16-mixed --micro-batch-size 1" in example and "--max-seq-len 512" in example
+    table = (tmp_path / "memory.md").read_text()
+    assert "A100-40GB (catalog, dry run)" in table and table.count("\n| llama") == 4
+    assert not (tmp_path / "work/random-init").exists()  # a dry run writes no checkpoint
+
+
+def test_layout_rows_list_tp_and_cp_beside_fsdp_alone_with_the_planners_predictions(tmp_path):
+    """bench/gpu_kit/layouts.py on CPU: every TP/CP row follows FSDP2 alone on the same GPUs, with the
+    plan of its exact launch; rows needing more GPUs than there are are listed, not run."""
+    import layouts
+
+    def listed(gpus: int) -> list[dict]:
+        out = tmp_path / f"{gpus}gpu"
+        result = subprocess.run([sys.executable, str(KIT / "layouts.py"), "--dry-run", "--gpus", str(gpus), "--out", str(out),
+                                 "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return list(csv.DictReader((out / "layouts.csv").open()))
+
+    rows = listed(8)
+    assert len(rows) == len(layouts.ROWS) and {r["status"] for r in rows} == {"dry run"}
+    for plain, layout in zip(rows[::2], rows[1::2]):
+        assert (plain["tp"], plain["cp"]) == ("1", "1") and layout["tp"] != layout["cp"]
+        assert (plain["model"], plain["seq_len"], plain["gpus"]) == (layout["model"], layout["seq_len"], layout["gpus"])
+        assert float(layout["predicted_allocated_gib"]) > 0 and float(layout["predicted_tokens_per_second"]) > 0
+    assert any(r["cp"] == "8" and float(r["predicted_allocated_gib"]) < float(p["predicted_allocated_gib"])
+               for p, r in zip(rows[::2], rows[1::2]))  # CP holds less of a long row than FSDP2 alone
+    command = layouts.ROWS[1].command("/ckpt", "/data.jsonl", "/out", 0)
+    assert command[command.index("--num_processes") + 1] == "2" and command[-2:] == ["--tp", "2"]
+    assert {r["status"] for r in listed(1)} == {f"not run: needs {r.gpus} GPUs, 1 here" for r in layouts.ROWS}
+
+
+def test_rows_run_the_trainer_with_the_planned_precision(tmp_path):
+    row = memory.Row("llama-7b", "qlora", 2048, True, 4)
+    flags = row.train_flags("/ckpt", "/data.jsonl", "/out")
+    assert flags[flags.index("--precision") + 1] == "bf16-true" and "--gradient-checkpointing" in flags
+    assert flags[flags.index("--max-seq-len") + 1] == "2048" and "--no-save-final" in flags
+    data = memory.write_text_data(tmp_path / "data.jsonl", 512)
+    assert all(len(line) > 512 for line in data.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_run_sh_installs_and_stops_before_cuda(tmp_path):
+    """run.sh in a throwaway venv on this CPU machine: installs a wheel the venv lacks, keeps an
+    installed one, installs the project without dependencies, then stops at the CUDA check (exit 3)."""
+    venv, shipped, out = tmp_path / "venv", tmp_path / "wheels", tmp_path / "out"
+    make_venv_seeing_these_packages(venv)
+    shipped.mkdir()
+    make_wheel(shipped, "gpukit_probe", "1.0", {"gpukit_probe/__init__.py": "VERSION = '1.0'\n"})
+    make_wheel(shipped, "tqdm", "0.0.1", {"tqdm/__init__.py": ""})  # already installed: must be kept
+    env = os.environ | {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "OUT": str(out), "KIT_WHEELS": str(shipped),
+                        "KIT_WORK": str(tmp_path / "work")}
+    result = subprocess.run(["bash", str(KIT / "run.sh")], env=env, capture_output=True, text=True, timeout=600)
+    log = (out / "run.log").read_text()
+    assert result.returncode == 3, log[-3000:]
+    assert "installed 1 wheel(s): gpukit-probe" in log and "already installed, kept: tqdm" in log
+    assert "no CUDA device: stopping before the GPU steps" in log and "pytest -m gpu" not in log
+    assert "torch" in (out / "environment.txt").read_text()
+    python = str(venv / "bin/python")
+    check = "import gpukit_probe, tqdm, finetune; print(gpukit_probe.VERSION, tqdm.__version__ != '0.0.1', finetune.__file__)"
+    printed = subprocess.run([python, "-c", check], capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
+    assert printed[:2] == ["1.0", "True"] and printed[2] == str(REPO / "finetune/__init__.py")
+
+
+def test_time_guard_lists_rows_it_cannot_finish_without_running_or_predicting(tmp_path):
+    rows = memory.grid(["llama-3.2-1b"], ["lora"])[:3]
+    results = memory.run_grid(rows, "H100-80GB", 79.6, tmp_path, deadline=time.time() + 5, dry_run=False, runner=RowRunner())
+    assert [r["status"] for r in results] == ["not run: time"] * 3
+    assert not any("predicted_allocated_gib" in r for r in results) and not (tmp_path / "runs").exists()
+
+
+def row_flags(model: Path, data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """A grid row's kind of flags, at a size CPU trains in a second."""
+    return ["--model", str(model), "--dataset", str(data), "--format", "text", "--method", "lora", "--precision", "fp32",
+            "--micro-batch-size", "2", "--max-seq-len", "32", "--max-steps", "3", "--log-every", "1", "--eval-split", "0.1",
+            "--max-eval-examples", "1", "--no-save-final", "--num-samples", "0", "--output-dir", str(output_dir), *extra]
+
+
+def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
+    """Rows forked from the preloaded server: each trains and writes its metrics and log; a row with a
+    bad flag reports finetune's one-line error and exit code; one past its time is killed."""
+    model, data = tiny_model_dir(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
+    runner = RowRunner()
+    for name in ("first", "second"):
+        out = tmp_path / name
+        out.mkdir()
+        assert runner.run(["-m", "finetune", *row_flags(model, data, out)], out / "run.log", timeout_s=120)["status"] == "ok"
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+        assert "eval loss" in (out / "run.log").read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    failed = runner.run(["-m", "finetune", *row_flags(model, data, bad, "--micro-batch-size", "0")], bad / "run.log", timeout_s=120)
+    assert failed["status"] == "exit 2" and failed["error"] == "finetune train: error: Invalid configuration:"
+    assert "--micro-batch-size must be ≥ 1" in (bad / "run.log").read_text()
+    code = runner.run(["-c", "import sys; print('args', sys.argv[1:])", "a", "b"], tmp_path / "code.log", timeout_s=60)
+    assert code["status"] == "ok" and "args ['a', 'b']" in (tmp_path / "code.log").read_text()
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    assert runner.run(["-m", "finetune", *row_flags(model, data, slow, "--max-steps", "100000")], slow / "run.log",
+                      timeout_s=2)["status"] == "timeout"
+
+
+def test_a_row_that_cannot_use_cuda_after_fork_runs_as_a_subprocess(tmp_path, monkeypatch):
+    """Should the server have initialised CUDA after all, the row is run again as `python -m finetune`
+    and so are the rest."""
+    def cuda_broken_by_fork(self, python_args, log, timeout_s):
+        log.write_text("RuntimeError: CUDA error: initialization error\n")
+        return {"status": "exit 1", "seconds": 1.0}
+
+    monkeypatch.setattr(RowRunner, "run_forked", cuda_broken_by_fork)
+    runner = RowRunner()
+    # refused by finetune itself, in its own process
+    result = runner.run(["-m", "finetune", "--micro-batch-size", "0"], tmp_path / "run.log", timeout_s=60)
+    assert not runner.fork and result["status"] == "exit 2"
+    log = (tmp_path / "run.log").read_text()
+    assert "--micro-batch-size must be ≥ 1" in log and "CUDA" not in log
+
+
+def test_results_table_and_csv_compare_measured_with_planned(tmp_path):
+    row = {**dataclasses.asdict(memory.Row("llama-3.2-1b", "lora", 512, False, 1)), "precision": "bf16-true"}
+    ok = row | {"status": "ok", "allocated_gib": 4.0, "reserved_gib": 5.0, "tokens_per_second": 60000.0, "seconds": 30.0,
+                "predicted_allocated_gib": 4.4, "predicted_reserved_gib": 4.5, "predicted_device_gib": 5.0,
+                "predicted_tokens_per_second": 77397.4}
+    late = row | {"micro_batch_size": 4, "status": "not run: time"}
+    memory.write_results([ok, late], tmp_path, "header")
+    table = (tmp_path / "memory.md").read_text().splitlines()
+    assert table[4] == ("| llama-3.2-1b | lora | bf16-true | 512 | 1 | no | 4.00 / 4.40 | +10.0% | 5.00 / 4.50 | "
+                        "60,000 / 77,397 | ok |")
+    assert table[5].endswith("| – | – | not run: time |")
+    written = list(csv.DictReader((tmp_path / "memory.csv").open()))
+    assert (written[0]["allocated_error"], written[0]["reserved_error"]) == ("0.1", "-0.1")
+    assert written[1]["predicted_allocated_gib"] == ""
+
+
+def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
+    """Every row, finetune's with its plan for the GPU lent now (an H200, no GPU here), each with the
+    command it runs: finetune's flags parse as finetune's, the baselines' as baselines.py's, all on the
+    same checkpoint, rows and shape."""
+    import baselines
+    import throughput
+    from finetune.config.flags import parse_config
+
+    result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
+                             "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)
+    header, *lines = result.stdout.splitlines()
+    assert "mistral-7b qlora" in header and "micro batch 4" in header and header.endswith("on H200:")
+    args = throughput.parse_args(["--dry-run", "--method", "qlora", "--micro-batch-size", "4", "--work", str(tmp_path)])
+    checkpoint = tmp_path / "random-init/mistral-7b"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
+    assert len(lines) == 2 * len(throughput.ROWS) == 20
+    for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
+        assert line[:36].strip() == row.name and command.startswith("      $ ")
+        argv = shlex.split(command.removeprefix("      $ "))
+        if row.program == "finetune":
+            plan = throughput.planned(row, args)
+            assert f"planned {plan['planned_tokens_per_second']:,.0f} tok/s, {plan['planned_allocated_gib']:.1f} GiB" in line
+            config = parse_config(argv[3:])
+            assert (config.model, config.dataset, config.method) == (str(checkpoint), str(tmp_path / "data-4096.jsonl"), "qlora")
+            assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
+                    config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
+            assert config.chunked_loss in ((None, True) if row.chunked_loss else (False,))
+            if row.planned_layers:  # the plan's fewest checkpointed layers on the H200: a 7B QLoRA leaves room
+                assert config.gradient_checkpointing_layers == throughput.workload(row, args).recomputed_layers < 32
+            else:
+                assert config.gradient_checkpointing_layers is None
+        else:
+            assert "not planned" in line and argv[1] == str(KIT / "baselines.py")
+            parsed = baselines.parse_args(argv[2:])
+            assert (parsed.program, parsed.liger, parsed.method, parsed.micro_batch_size, parsed.seq_len, parsed.steps) == (
+                row.program, row.liger, "qlora", 4, 4096, 6)
+            assert (parsed.checkpoint, parsed.data) == (checkpoint, tmp_path / "data-4096.jsonl")
+    assert {row.program for row in throughput.ROWS} == {"finetune", "trl", "peft-loop"}
+
+
+def test_throughput_rows_measure_the_defaults_ab_pairs_first():
+    """A deadline leaves ~5 of the 10 rows: finetune with its defaults and each default's A/B come first
+    (the model's own loss, the planned partial checkpointing, Liger), then the anchor; compiled rows last."""
+    import throughput
+
+    names = [row.name for row in throughput.ROWS]
+    assert names[:5] == ["finetune", "finetune --no-chunked-loss", "finetune, ckpt as planned", "finetune --liger",
+                         "TRL SFTTrainer use_liger_kernel"]
+    assert [row.compile for row in throughput.ROWS][-2:] == [True, True] and not any(r.compile for r in throughput.ROWS[:-2])
+    default, own_loss, planned_layers, liger = throughput.ROWS[:4]
+    assert default.chunked_loss and not (default.liger or default.planned_layers)
+    assert not own_loss.chunked_loss and planned_layers.planned_layers and liger.liger
+
+
+def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
+    """No row is dropped: without CUDA each is listed with why, the CSV has all of them, no
+    checkpoint is written, and the exit code says no finetune row could run."""
+    import throughput
+
+    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert throughput.run_rows(args) == 1
+    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
+    assert [r["row"] for r in rows] == [row.name for row in throughput.ROWS]
+    assert {r["status"] for r in rows} == {"skipped: no CUDA device"}
+    assert not (args.work / "random-init").exists()
+
+
+@pytest.mark.parametrize("deadline, status, code", [(100, "not run: time (the deadline stopped it after 42 s)", 0),
+                                                     (None, "timeout", 1)])
+def test_a_row_the_deadline_stops_is_not_run_and_every_row_gets_finetunes_allocator(deadline, status, code, tmp_path,
+                                                                                     monkeypatch):
+    """Rows whose process the deadline stops are "not run", not failures (exit 0); a row that outlives its
+    own --row-timeout is a failure (exit 1). Every row's process, TRL's and the PEFT loop's too, starts
+    with the allocator finetune sets for itself. (The rows' processes are stood in for: no GPU here.)"""
+    import throughput
+
+    started = []
+
+    def process(command, log, timeout_s):
+        started.append((Path(command[1]).name if command[1] != "-m" else "finetune", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+        log.write_text("")
+        return {"status": "timeout", "seconds": 42.0}
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(throughput, "skip_reason", lambda row, cuda, model_type: None)
+    monkeypatch.setattr(throughput, "run_logged", process)
+    monkeypatch.setattr(memory, "random_checkpoint", lambda *args, **kwargs: None)
+    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--gpu", "H200",
+                                  *(["--deadline", str(time.time() + deadline)] if deadline else [])])
+    assert throughput.run_rows(args) == code
+    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
+    assert {r["status"] for r in rows} == {status} and {r["allocator"] for r in rows} == {"expandable_segments:True"}
+    assert {program for program, _ in started} == {"finetune", "baselines.py"}
+    assert {allocator for _, allocator in started} == {"expandable_segments:True"}
+
+
+def test_rows_are_skipped_for_missing_or_broken_packages_only(monkeypatch, liger_kernel):
+    import throughput
+
+    installed = {"trl"}  # and liger-kernel, as the fixture installs it
+    find_spec = throughput.importlib.util.find_spec
+    monkeypatch.setattr(throughput.importlib.util, "find_spec",
+                        lambda name, *rest: find_spec(name, *rest) if name in installed or name.startswith("liger") else None)
+    liger_kernel(LIGER_BROKEN)
+    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
+    skipped = {name for name, reason in reasons.items() if reason}
+    assert skipped == {row.name for row in throughput.ROWS if row.liger}
+    assert all(reasons[name].startswith("liger-kernel 0.8.5 does not import: ImportError") for name in skipped)
+    installed.clear()
+    liger_kernel(LIGER_WORKING)
+    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
+    assert {name for name, reason in reasons.items() if reason} == {"TRL SFTTrainer", "TRL SFTTrainer use_liger_kernel"}
+
+
+def test_throughput_table_lines():
+    import throughput
+
+    finetune = {"row": "finetune --compile", "status": "ok", "tokens_per_second": 7512.4, "planned_tokens_per_second": 7142.0,
+                "allocated_gib": 21.456, "planned_allocated_gib": 20.9, "reserved_gib": 23.1, "seconds": 61.2,
+                "compile_seconds": 48.7}
+    trl = {"row": "TRL SFTTrainer", "status": "skipped: trl is not installed", "planned_tokens_per_second": None}
+    assert throughput.table_line(finetune) == (f"{'finetune --compile':<34}     7,512     7,142  21.46 (planned 20.90) GiB "
+                                               "allocated, 23.10 reserved, 61 s, 49 s compiling")
+    assert throughput.table_line(trl) == f"{'TRL SFTTrainer':<34}         –         –  skipped: trl is not installed"
+
+
+@pytest.fixture
+def text_rows(tmp_path):
+    """memory.py's text rows of 32 tokens, encoded by the builtin tokenizer the random-init checkpoints carry."""
+    import baselines
+    from finetune.data import BUILTIN_DIR
+    from finetune.train.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(BUILTIN_DIR), trust_remote_code=False)
+    return tokenizer, baselines.token_rows(tokenizer, memory.write_text_data(tmp_path / "data-32.jsonl", 32), 32)
+
+
+def test_baselines_read_finetunes_rows_of_exactly_seq_len(text_rows, tmp_path):
+    import baselines
+
+    tokenizer, rows = text_rows
+    assert len(rows) == memory.DATA_ROWS and {len(r["input_ids"]) for r in rows} == {32}
+    assert all(r["labels"] == r["input_ids"] and r["input_ids"][0] == tokenizer.bos_token_id for r in rows)
+    with pytest.raises(ValueError, match="are not 64 tokens"):
+        baselines.token_rows(tokenizer, tmp_path / "data-32.jsonl", 64)
+
+
+def test_peft_loop_trains_lora_with_fused_adamw(text_rows):
+    """The bare loop on CPU, on a 2-layer Llama: only LoRA trains, checkpointing is on, AdamW is
+    fused, every update is timed and moves the adapters. (Its CUDA run is not tested here.)"""
+    import baselines
+    import torch
+
+    tokenizer, rows = text_rows
+    model, optimizer = baselines.peft_loop(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert optimizer.defaults["fused"] is True and model.base_model.model.is_gradient_checkpointing
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    assert not lora_b.any()  # PEFT starts B at zero
+    seconds, losses = baselines.train_loop(model, optimizer, rows, micro_batch_size=2, steps=3)
+    assert len(seconds) == len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert lora_b.any()
+    measured = baselines.summary(seconds, 2 * 32, losses)
+    assert measured["tokens_per_second"] == pytest.approx((64 / seconds[1] + 64 / seconds[2]) / 2)  # per update, after the first
+
+
+def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
+    """The SFTConfig each TRL row runs with, built without a GPU (transformers is told bf16 is
+    available, as on the H100): micro batch, no accumulation, bf16, non-reentrant checkpointing,
+    fused AdamW, whole rows of --seq-len, and use_liger_kernel per row."""
+    import baselines
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    for liger in (False, True):
+        config = baselines.sft_config(tmp_path, micro_batch_size=4, steps=6, seq_len=4096, liger=liger)
+        assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.max_steps) == (4, 1, 6)
+        assert config.bf16 and not config.fp16 and config.gradient_checkpointing
+        assert config.gradient_checkpointing_kwargs == {"use_reentrant": False} and config.optim == "adamw_torch_fused"
+        assert (config.max_length, config.packing, config.padding_free, config.use_liger_kernel) == (4096, False, False, liger)
+        assert (config.save_strategy, config.eval_strategy, config.max_grad_norm) == ("no", "no", 1.0)
+
+
+def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_rows, tmp_path):
+    """SFTTrainer keeps finetune's ids and labels (no retokenizing, truncating or packing) and the
+    clock times every update: 2 updates of a 2-layer Llama on CPU (bf16 off: this CPU run checks the
+    data path, not the speed)."""
+    import baselines
+    import transformers.training_args
+
+    tokenizer, rows = text_rows
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    config = dataclasses.replace(baselines.sft_config(tmp_path, 2, 2, 32, liger=False), bf16=False, use_cpu=True)
+    trainer = baselines.sft_trainer(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)), tokenizer, rows, config)
+    assert trainer.train_dataset.to_list() == rows
+    clock = baselines.UpdateClock()
+    trainer.add_callback(clock)
+    trainer.train()
+    assert len(clock.seconds) == 2 and [r["num_tokens"] for r in trainer.state.log_history if "loss" in r] == [64, 128]
+
+
+def defaults_rows(tmp_path: Path, *flags: str) -> list[dict]:
+    """bench/gpu_kit/defaults.py run with `flags` (in its own process: it sets the allocator before torch loads)."""
+    done = subprocess.run([sys.executable, str(KIT / "defaults.py"), "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return list(csv.DictReader((tmp_path / "out/defaults.csv").open()))
+
+
+def test_defaults_dry_run_plans_every_case_for_the_gpu_lent_now(tmp_path):
+    """The cases in their order (the model's own loss and the chunked loss, fused and foreach AdamW,
+    then Liger), each planned for the H200 (no GPU here): the chunked loss and Liger plan less than
+    the model's own loss, and foreach AdamW a step scratch that fused has not."""
+    rows = defaults_rows(tmp_path, "--dry-run")
+    assert "on H200" in (tmp_path / "out/defaults.md").read_text().splitlines()[0]
+    assert [(r["shape"], r["method"], r["variant"]) for r in rows][:4] == [
+        ("mistral-7b", "lora", "transformers"), ("mistral-7b", "lora", "finetune-chunked"),
+        ("mistral-7b", "qlora", "transformers"), ("mistral-7b", "qlora", "finetune-chunked")]
+    assert [r["variant"] for r in rows][-4:] == ["liger"] * 4 and {r["status"] for r in rows} == {"dry run"}
+    planned = {(r["shape"], r["method"], r["variant"]): float(r["planned_gib"]) for r in rows}
+    for shape in ("mistral-7b", "llama-3.1-8b"):
+        for method in ("lora", "qlora"):
+            own = planned[(shape, method, "transformers")]
+            assert planned[(shape, method, "liger")] <= planned[(shape, method, "finetune-chunked")] < own
+        step = {r["variant"]: float(r["planned_step_gib"]) for r in rows if (r["shape"], r["method"]) == (shape, "full")}
+        assert step["fused"] == 0 < step["foreach"]
+
+
+def test_defaults_run_on_cpu_through_the_trainers_own_pieces(tmp_path):
+    """The GPU check's own code on this CPU, on a 2-layer cut of the catalog's tiny model in fp32: the
+    chunked loss gives the model's own loss and LoRA gradients (LoRA and QLoRA), fused and foreach
+    AdamW the same loss, Liger's cases are skipped with the run's one line, and the allocator says
+    there is no CUDA device. (Peak memory is CUDA's only: not measured here.)"""
+    rows = defaults_rows(tmp_path, "--shapes", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--precision", "fp32",
+                         "--full-precision", "fp32", "--steps", "2")
+    by_case = {(r["method"], r["variant"]): r for r in rows}
+    assert by_case[("allocator", "set before torch loads (finetune's entry)")]["notes"].startswith("no CUDA device")
+    for method in ("lora", "qlora"):
+        own, chunked = by_case[(method, "transformers")], by_case[(method, "finetune-chunked")]
+        assert own["status"] == chunked["status"] == "ok" and float(own["ms_per_update"]) > 0
+        assert abs(float(chunked["loss_vs_own"])) < 1e-5 and 0 < float(chunked["grads_vs_own"]) < 1e-4
+        assert by_case[(method, "liger")]["status"] == "skipped: running without Liger (Liger's Triton kernels need a CUDA GPU)"
+    fused, foreach = by_case[("full", "fused")], by_case[("full", "foreach")]
+    assert fused["status"] == foreach["status"] == "ok" and fused["loss"] == foreach["loss"]
+    assert float(fused["planned_step_gib"]) == 0 < float(foreach["planned_step_gib"])

@@ -1,0 +1,228 @@
+"""The speed model against the committed GPU measurements, the terms that carry it to other GPUs and
+models (per-chip matmul efficiency, memory-bound bytes at the GPU's bandwidth, the vocabulary, the
+head size, kernel launches), the range and basis of every plan, and the allocator setting that
+makes reserved memory what is planned."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import fields, replace
+
+import pytest
+from helpers import REPO
+
+from finetune.cli import ALLOCATOR_CONF, main as cli_main, use_expandable_segments
+from finetune.models import catalog
+from finetune.plan import gpus
+from finetune.config.switches import chunk_tokens
+from finetune.plan.memory import estimate
+from finetune.plan.speed import CALIBRATION, CHUNK_KERNELS, estimate_speed, gpu_seconds, issue_seconds, memory_bytes_per_s
+from finetune.plan.speed_range import LIKELY_Z, MEASURED, SPREAD, UNMEASURED_SPREAD
+from finetune.plan.traffic import LOSS_BYTES, layer_kernels, traffic
+from finetune.plan.workload import Workload
+
+sys.path.insert(0, str(REPO / "bench"))
+import speed_fit  # noqa: E402
+
+ROWS = speed_fit.all_rows(sorted(speed_fit.MEASURED.glob("*.csv")))
+FITTED = [r for r in ROWS if speed_fit.fitted(r)]
+
+
+def one_gpu(**overrides) -> Workload:
+    fields = dict(model=catalog.get("llama-3.2-1b"), gpu=gpus.get("H100-80GB"), gpus_per_node=1, method="lora",
+                  strategy="single", offload="none", precision="bf16-true", optimizer="adamw", micro_batch_size=1,
+                  seq_len=512, gradient_checkpointing=False)
+    return Workload(**(fields | overrides))
+
+
+def tokens_per_second(**overrides) -> float:
+    return estimate_speed(one_gpu(**overrides)).tokens_per_second
+
+
+GPU_BOUND = dict(model=catalog.get("mistral-7b"), seq_len=4096, micro_batch_size=2, gradient_checkpointing=True)
+
+
+def test_the_committed_measurements_cover_models_methods_shapes_and_two_chips():
+    own = [r for r in FITTED if r["framework"] == "finetune"]
+    assert len(own) >= 8 and {r["method"] for r in own} == {"full", "lora", "qlora"}
+    assert {r["seq_len"] for r in own} >= {"512", "2048", "4096"}
+    published = [r for r in FITTED if r["framework"] == "llamafactory"]
+    assert [int(r["seq_len"]) for r in published] == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert {speed_fit.chip_of(r) for r in FITTED} == {"H100", "A100"}
+    assert all(r["device"] and r["model"] and r["tokens_per_second"] for r in ROWS)
+
+
+def row_id(r: dict) -> str:
+    return f"{r['device']}-{r['model'].split('/')[-1]}-{r['method']}-s{r['seq_len']}-b{r['micro_batch_size']}"
+
+
+@pytest.mark.parametrize("row", FITTED, ids=row_id)
+def test_planned_tokens_per_second_within_25_percent_of_every_fitted_row(row):
+    assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=speed_fit.TOLERANCE)
+
+
+def test_liger_speedup_follows_from_the_bytes_its_kernels_save():
+    """No Liger coefficient: fusing the norm, rotary embedding, SwiGLU and loss removes bytes, and the
+    planned speed-up is within 5 % of TRL's two measured pairs."""
+    pairs = speed_fit.liger_pairs(ROWS)
+    assert len(pairs) == 2 and "liger" not in {f.name for f in fields(CALIBRATION)}
+    for off, on in pairs:
+        measured = float(on["tokens_per_second"]) / float(off["tokens_per_second"])
+        assert speed_fit.planned(on) / speed_fit.planned(off) == pytest.approx(measured, rel=0.05)
+    plain = one_gpu(**GPU_BOUND)
+    assert traffic(replace(plain, loss="liger")).per_token < 0.8 * traffic(plain).per_token
+
+
+def test_refitting_the_committed_measurements_gives_the_committed_coefficients():
+    refit = speed_fit.fit(ROWS)
+    for field in fields(CALIBRATION):
+        ours, theirs = getattr(refit, field.name), getattr(CALIBRATION, field.name)
+        if isinstance(ours, dict):
+            assert ours.keys() == theirs.keys()
+            assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=0.02), field.name
+        else:
+            assert ours == pytest.approx(theirs, rel=0.02), field.name
+    assert all(0 < v <= speed_fit.CEILING["matmul_efficiency"] for v in refit.matmul_efficiency.values())
+    assert 0 < refit.memory_efficiency <= 1 and 0 < refit.attention_speed <= 1
+
+
+def test_the_committed_shape_families_are_the_measured_ones():
+    assert {chip: set(families) for chip, families in MEASURED.items()} == \
+        {chip: set(families) for chip, families in speed_fit.measured_families(ROWS).items()}
+    assert set(MEASURED) == set(CALIBRATION.matmul_efficiency)
+
+
+@pytest.mark.slow
+def test_the_committed_spreads_are_the_cross_validated_errors():
+    """~40 refits (leave one row, one shape family, one chip out): the spreads every range rests on."""
+    spreads = speed_fit.spreads(speed_fit.cross_validation(ROWS))
+    assert spreads == pytest.approx(SPREAD, abs=0.01)
+    assert spreads["measured"] <= spreads["chip"]
+
+
+def test_more_work_per_update_is_slower_per_token():
+    assert tokens_per_second(model=replace(catalog.get("llama-3.2-1b"), num_layers=32)) < tokens_per_second()
+    assert tokens_per_second(method="qlora") < tokens_per_second() < tokens_per_second(method="full") * 1.5
+    assert tokens_per_second(lora_targets="q_proj,v_proj") > tokens_per_second()
+    assert tokens_per_second(gradient_checkpointing=True) < tokens_per_second()
+    assert tokens_per_second(precision="fp32", method="full", seq_len=4096) < tokens_per_second(method="full", seq_len=4096)
+
+
+def test_small_shapes_are_launch_bound_and_longer_rows_amortise_it():
+    small, large = estimate_speed(one_gpu()), estimate_speed(one_gpu(seq_len=4096, micro_batch_size=4))
+    assert small.launch_bound and not large.launch_bound
+    assert large.tokens_per_second > 5 * small.tokens_per_second
+    # attention grows with the sequence: at a fixed token count, longer rows are slower
+    assert tokens_per_second(seq_len=16384, micro_batch_size=1) < tokens_per_second(seq_len=4096, micro_batch_size=4)
+
+
+def test_compile_helps_launch_bound_shapes_and_liger_gpu_bound_ones():
+    assert tokens_per_second(compile=True) > 1.5 * tokens_per_second()
+    assert tokens_per_second(**GPU_BOUND, loss="liger") > 1.1 * tokens_per_second(**GPU_BOUND)
+    assert estimate(one_gpu(**GPU_BOUND, loss="liger")).activations < estimate(one_gpu(**GPU_BOUND)).activations
+
+
+def test_each_chip_has_its_matmul_efficiency_and_each_gpu_its_bandwidth():
+    """An A100 reaches a larger share of its peak than an H100; an H200 is an H100 chip with more
+    bandwidth (faster on the same work); a chip never measured takes the measured chips' geometric mean."""
+    efficiency = CALIBRATION.matmul_efficiency
+    assert efficiency["A100"] > efficiency["H100"]
+    h100, h200 = one_gpu(**GPU_BOUND), one_gpu(**GPU_BOUND, gpu=gpus.get("H200"))
+    assert gpu_seconds(h200, CALIBRATION) < gpu_seconds(h100, CALIBRATION)
+    assert memory_bytes_per_s(h200) == 4.8e12 and gpus.get("H200").chip == "H100"
+    assert CALIBRATION.efficiency("L40S") == pytest.approx(math.sqrt(efficiency["A100"] * efficiency["H100"]))
+    assert all(g.memory_tb_per_s > 0 and g.chip for g in gpus.GPUS.values())
+
+
+def test_a_larger_vocabulary_costs_its_loss_bytes_and_head_flops():
+    """The vocabulary term, not a constant: widening only the vocabulary adds exactly the loss's
+    bytes over it and the LM head's matmul FLOPs to the GPU clock, and more chunks of the chunked
+    loss to the host's."""
+    small = one_gpu(**GPU_BOUND)
+    large = replace(small, model=replace(small.model, vocab_size=152064))
+    added_vocab = 152064 - small.model.vocab_size
+    tokens, h = small.tokens_per_micro_batch, small.model.hidden_size
+    flops = 2 * h * added_vocab * 2  # the head's forward and its input gradient (frozen head under LoRA)
+    rate = small.gpu.bf16_tflops * 1e12 * CALIBRATION.efficiency("H100")
+    loss_seconds = tokens * added_vocab * LOSS_BYTES["eager"] / (memory_bytes_per_s(small) * CALIBRATION.memory_efficiency)
+    assert gpu_seconds(large, CALIBRATION) - gpu_seconds(small, CALIBRATION) == pytest.approx(
+        tokens * flops / rate + loss_seconds, rel=1e-6)
+    chunked_small, chunked_large = replace(small, loss="finetune-chunked"), replace(large, loss="finetune-chunked")
+    chunks = math.ceil(tokens / chunk_tokens(152064)) - math.ceil(tokens / chunk_tokens(32000))
+    per_kernel = CALIBRATION.layer_issue_s / layer_kernels(small.model)
+    assert issue_seconds(chunked_large, CALIBRATION) - issue_seconds(chunked_small, CALIBRATION) == pytest.approx(
+        chunks * CHUNK_KERNELS * per_kernel)
+    assert estimate_speed(large).tokens_per_second < estimate_speed(small).tokens_per_second
+
+
+def test_small_heads_run_attention_slower_at_the_same_width():
+    wide = one_gpu(**(GPU_BOUND | dict(seq_len=16384, micro_batch_size=1)))
+    halved = replace(wide, model=replace(wide.model, num_heads=64, num_kv_heads=16, head_dim=64))
+    assert wide.model.num_heads * wide.model.resolved_head_dim == halved.model.num_heads * halved.model.resolved_head_dim
+    assert gpu_seconds(halved, CALIBRATION) > gpu_seconds(wide, CALIBRATION)
+    eager = replace(wide, attention="eager")
+    assert traffic(eager).per_token > traffic(wide).per_token + wide.model.num_layers * wide.model.num_heads * 16384
+
+
+def test_every_plan_has_a_range_and_basis_that_widen_as_it_rests_on_less():
+    measured = estimate_speed(one_gpu())  # lora <2B seq ≤1k was measured on the H100
+    other_shape = estimate_speed(one_gpu(seq_len=16384))
+    other_chip = estimate_speed(one_gpu(gpu=gpus.get("L40S")))
+    two_gpus = estimate_speed(one_gpu(gpus_per_node=2, strategy="ddp"))
+    compiled = estimate_speed(one_gpu(compile=True))
+    assert measured.calibrated and measured.basis == "measured on H100 (lora <2B seq ≤1k)"
+    assert not other_shape.calibrated and "from other shapes (no lora <2B seq ≥8k run)" in other_shape.basis
+    assert not other_chip.calibrated and other_chip.basis.startswith("extrapolated: no runs on L40S")
+    assert not two_gpus.calibrated and "communication modelled, not measured" in two_gpus.basis
+    assert not compiled.calibrated and "compiled blocks" in compiled.basis
+    assert measured.high / measured.tokens_per_second == pytest.approx(math.exp(LIKELY_Z * SPREAD["measured"]))
+    assert two_gpus.high / two_gpus.tokens_per_second == pytest.approx(
+        math.exp(LIKELY_Z * math.hypot(SPREAD["measured"], UNMEASURED_SPREAD["communication"])))
+    widths = [s.high / s.low for s in (measured, other_shape, other_chip)]
+    assert widths == sorted(widths) and widths[0] < widths[-1]
+    assert all(s.low < s.tokens_per_second < s.high for s in (measured, other_shape, other_chip, two_gpus, compiled))
+
+
+def test_json_table_and_hours_carry_the_range(capsys):
+    assert cli_main(["plan", "llama-3.2-1b on 1xH100", "--tokens", "1e9", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    for p in plans:
+        low, high = p["tokens_per_second_likely"]
+        assert low < p["tokens_per_second"] < high and p["speed_basis"]
+        assert p["hours_likely"] == pytest.approx([1e9 / high / 3600, 1e9 / low / 3600], rel=1e-3)
+        assert p["usd_likely"][0] < p["usd"] < p["usd_likely"][1]
+    assert any(p["speed_calibrated"] and p["speed_basis"].startswith("measured on H100") for p in plans)
+    assert cli_main(["plan", "llama-3.2-1b on 1xA100-80GB", "--tokens", "1e9"]) == 0
+    table = capsys.readouterr().out
+    assert "likely" in table.splitlines()[3] and any(cell.endswith("~") for cell in table.split())
+    assert "speed extrapolated on A100 from other shapes" in table
+
+
+def test_the_fit_check_uses_reserved_memory_with_the_measured_slack():
+    slack, _ = speed_fit.reserved_slack(speed_fit.read_rows(sorted(speed_fit.MEASURED.glob("*.csv"))))
+    m = estimate(one_gpu())
+    assert m.reserved == pytest.approx(m.allocated * (1 + slack), rel=0.01)
+    assert m.device(1) > m.reserved > m.allocated
+
+
+def test_expandable_segments_are_set_unless_the_user_chose():
+    environ = {}
+    use_expandable_segments(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONF}
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+        environ = dict(user)
+        use_expandable_segments(environ)
+        assert environ == user
+
+
+@pytest.mark.parametrize("user", [None, "max_split_size_mb:64"])
+def test_the_cli_entry_sets_the_allocator_before_torch_loads(user):
+    code = ("import os, sys; from finetune.cli import main; main(['plan', 'llama-3.2-1b on 1xH100', '--json']); "
+            "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), 'torch' in sys.modules, file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    if user:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = user
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stderr.split()[-2:] == [user or ALLOCATOR_CONF, "False"]
