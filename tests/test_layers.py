@@ -1,5 +1,5 @@
 """The package's import graph: no cycle (function-level imports included) and every import points down
-the layer order README's layout section gives, so a reader can start at the bottom and never climb back."""
+the layer order docs/development.md gives, so a reader can start at the bottom and never climb back."""
 
 from __future__ import annotations
 

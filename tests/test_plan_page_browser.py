@@ -3,7 +3,7 @@ Python API (its own browser downloads are never used). Types a query, reads the 
 launch command, follows a model to its plans, downloads a file, and opens the `--html` file offline.
 
 Needs `apt-get install chromium` and `pip install playwright`; skipped, saying which is missing,
-otherwise. FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (README's picture).
+otherwise. FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (the picture in README and docs/planner.md).
 """
 
 from __future__ import annotations
