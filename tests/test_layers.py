@@ -1,6 +1,6 @@
 """The package's import graph, folder by folder: every import (function-level ones included) points down
-the order FOLDERS states, so no two folders import each other, no module imports itself back through
-others, and a reader can start at the bottom and never climb back."""
+the order FOLDERS states (docs/development.md gives the same), so no two folders import each other, no
+module imports itself back through others, and a reader can start at the bottom and never climb back."""
 
 from __future__ import annotations
 

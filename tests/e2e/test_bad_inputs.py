@@ -491,6 +491,6 @@ def test_bad_input_fails_with_a_clear_message(case: Case, tmp_path: Path, reques
         assert f"traceback : {printed[0]}" in output.split("Root Cause")[-1], output[-3000:]
 
 
-def test_corpus_count_in_readme_is_current():
-    readme = (REPO / "README.md").read_text()
-    assert f"{len(CASES)} cases" in readme
+def test_corpus_count_in_the_docs_is_current():
+    page = (REPO / "docs" / "bad-input.md").read_text()
+    assert f"{len(CASES)} cases" in page

@@ -83,7 +83,7 @@ def test_plan_splits_more_gpus_than_a_host_holds_into_nodes_and_says_so():
 
 
 def answers_of_export(folder: Path, prompts: list, max_new_tokens: int) -> list[str]:
-    """Greedy answers of an exported model, reloaded and asked as README's *Reload an export* shows:
+    """Greedy answers of an exported model, reloaded and asked as docs/checkpoints.md's *Reload an export* shows:
     text prompts through `tokenizer(prompt)`, chats (lists of messages) through the chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,10 +137,15 @@ def test_smollm2_export_answers_as_the_run_did(tmp_path):
     assert answers == [s["generated"] for s in samples]
 
 
+def readme_quick_start_section() -> str:
+    """README's quick start, between the markers that also put it on the docs site's home page (docs/index.md)."""
+    readme = (REPO / "README.md").read_text()
+    return readme.split("<!-- --8<-- [start:quickstart] -->")[1].split("<!-- --8<-- [end:quickstart] -->")[0]
+
+
 def readme_quick_start() -> list[str]:
     """The command lines of README's quick start block: step 1 first, then step 2's."""
-    section = (REPO / "README.md").read_text().split("<!-- section:quickstart -->")[1]
-    block = section.split("```bash\n")[1].split("```")[0]
+    block = readme_quick_start_section().split("```bash\n")[1].split("```")[0]
     return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -175,8 +180,7 @@ def test_readmes_first_command_runs_in_a_fresh_clone(tmp_path):
 def test_readmes_accelerate_launch_is_quiet(tmp_path):
     """README's single-process `accelerate launch` line starts without Accelerate's defaults warning
     (`--max-seq-len` beyond the model's maximum makes it stop at once, with our one line)."""
-    section = (REPO / "README.md").read_text().split("<!-- section:quickstart -->")[1]
-    line = next(line for line in section.splitlines() if line.startswith("accelerate launch -q --config_file"))
+    line = next(line for line in readme_quick_start_section().splitlines() if line.startswith("accelerate launch -q --config_file"))
     words = shlex.split(line.replace("accelerate_configs/", f"{REPO}/accelerate_configs/"))
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *words[2:], "--max-seq-len", "1000000"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)

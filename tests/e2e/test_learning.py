@@ -1,7 +1,8 @@
-"""What the model learns, guarded: README's two first runs, exactly as printed there, must still learn
-what they learnt when their numbers were measured (bench/quality.py prints them with every speed
-switch flipped). A default that trades learning for speed fails here: length grouping across
-updates (the Trainer's group_by_length) took the embedded default to 15 % exact match and 1.80 eval loss."""
+"""What the model learns, guarded: README's step 1 and the SmolLM2 demo (docs/real-model-demo.md),
+exactly as printed there, must still learn what they learnt when their numbers were measured
+(bench/quality.py prints them with every speed switch flipped). A default that trades learning for
+speed fails here: length grouping across updates (the Trainer's group_by_length) took the embedded
+default to 15 % exact match and 1.80 eval loss."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from helpers import REPO
 pytestmark = pytest.mark.slow
 
 
-def readme_command(starts_with: str) -> list[str]:
-    """The first command in README.md that starts with `starts_with` (continued lines joined), as words."""
-    lines = (REPO / "README.md").read_text().splitlines()
+def printed_command(page: str, starts_with: str) -> list[str]:
+    """The first command in `page` (a path from the repository root) that starts with `starts_with`
+    (continued lines joined), as words."""
+    lines = (REPO / page).read_text().splitlines()
     for number, line in enumerate(lines):
         at = line.find(starts_with)
         if at == -1 or (at and not line[:at].rstrip().endswith("&&")):
@@ -29,11 +31,11 @@ def readme_command(starts_with: str) -> list[str]:
             number += 1
             command = command.rstrip()[:-1] + " " + lines[number].strip()
         return shlex.split(command)
-    raise AssertionError(f"README.md has no command starting with {starts_with!r}")
+    raise AssertionError(f"{page} has no command starting with {starts_with!r}")
 
 
 def run_as_printed(words: list[str], output_dir: Path) -> dict:
-    """README's command in a fresh process, with its --output-dir moved to `output_dir`: its summary."""
+    """A printed command in a fresh process, with its --output-dir moved to `output_dir`: its summary."""
     assert words[:3] == ["python", "-m", "finetune"] and "--output-dir" in words
     words = list(words)
     words[words.index("--output-dir") + 1] = str(output_dir)
@@ -42,16 +44,17 @@ def run_as_printed(words: list[str], output_dir: Path) -> dict:
 
 
 def test_readme_step_1_learns_the_embedded_default(tmp_path):
-    """Measured at these defaults: 73.5 % and 1.01 (bench/quality.py, README)."""
-    summary = run_as_printed(readme_command("python -m finetune --output-dir"), tmp_path / "demo")
+    """Measured at these defaults: 73.5 % and 1.01 (bench/quality.py, docs/training.md)."""
+    summary = run_as_printed(printed_command("README.md", "python -m finetune --output-dir"), tmp_path / "demo")
     assert summary["steps"] == 952
     assert summary["exact_match_after"] >= 0.70
     assert summary["eval_loss_after"] <= 1.1
 
 
 def test_the_smollm2_demo_learns_the_smart_home_api(tmp_path, smollm2_dir):
-    """Measured at these defaults: 86 % or more of the 50 held-out chats (bench/quality.py, README)."""
-    summary = run_as_printed(readme_command("python -m finetune --model smollm2-135m"), tmp_path / "smarthome")
+    """Measured at these defaults: 86 % or more of the 50 held-out chats (bench/quality.py, docs/real-model-demo.md)."""
+    summary = run_as_printed(printed_command("docs/real-model-demo.md", "python -m finetune --model smollm2-135m"),
+                             tmp_path / "smarthome")
     assert summary["steps"] == 30
     assert summary["exact_match_before"] == 0.0
     assert summary["exact_match_after"] >= 0.80

@@ -6,7 +6,7 @@ SkyPilot cannot be installed beside this environment (every release pins click<8
 where dstack needs bcrypt 5), so its file is checked against the JSON schema SkyPilot validates task
 YAML with (`sky.utils.schemas.get_task_schema()` of skypilot 0.14.1, saved in engine_schemas/ by
 engine_schemas/dump_skypilot_schema.py); `sky.Task.from_yaml` loaded these files in a separate venv
-(README, Run on SkyPilot / dstack).
+(docs/clusters.md, Run on SkyPilot / dstack).
 """
 
 from __future__ import annotations

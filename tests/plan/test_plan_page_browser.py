@@ -3,7 +3,8 @@ Python API (its own browser downloads are never used). Types a query, reads the 
 launch command, follows a model to its plans, downloads a file, and opens the `--html` file offline.
 
 Needs Chromium (`apt-get install chromium`; skipped, saying so, where .ci/run could not install it)
-and Playwright (the test extra). FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (README's picture).
+and Playwright (the test extra). FINETUNE_PAGE_SCREENSHOT=path.png saves a screenshot of the page (the picture in
+README and docs/planner.md).
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def dry_run_json(*flags: str, env: dict | None = None) -> dict:
 
 
 @pytest.mark.parametrize("gpu, flags, precision", [
-    ("A100-40GB", ("--model", "llama-7b"), "bf16-true"),  # the README's example: 12.7 GiB of bf16 weights, not fp32
+    ("A100-40GB", ("--model", "llama-7b"), "bf16-true"),  # docs/planner.md's example: 12.7 GiB of bf16 weights, not fp32
     ("T4", ("--model", "smollm2-135m"), "fp16-true"),  # no bf16: auto is fp16
     ("T4", ("--model", "smollm2-135m", "--precision", "fp16-true"), "fp16-true"),  # fp16 needs a GPU: the named one
 ])
