@@ -26,10 +26,10 @@ from clock import spread, timed
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.models import catalog
-from finetune.train import chunked_loss
 from finetune.plan import gpus
 from finetune.plan.memory import GIB, estimate
 from finetune.plan.workload import from_run
+from finetune.train import chunked_loss
 from finetune.train.simulate import simulate
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)

@@ -22,10 +22,10 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune.train import loop
-from finetune.models.catalog import get
 from finetune.config.options import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
+from finetune.models.catalog import get
+from finetune.train import loop
 from finetune.train.run import resolve, setup
 
 MICRO_BATCH = 16

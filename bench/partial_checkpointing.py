@@ -32,10 +32,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.models import catalog
-from finetune.train.loading import prepare_for_training
 from finetune.plan import gpus
 from finetune.plan.memory import GIB, estimate
 from finetune.plan.workload import from_run
+from finetune.train.loading import prepare_for_training
 from finetune.train.simulate import simulate
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)

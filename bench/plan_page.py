@@ -12,8 +12,8 @@ import time
 import urllib.request
 from urllib.parse import urlencode
 
-from finetune.plan import serve
 from finetune.cli.plan import page_answer
+from finetune.plan import serve
 
 QUERIES = ["llama-70b qlora on 2x RTX 4090", "llama-2-70b on 2xA100-40GB", "what fits on 2×A100 40GB"]
 

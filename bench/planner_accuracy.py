@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import finetune.plan
-from finetune.plan import gpus
 from finetune.models import catalog
 from finetune.models.catalog import ModelSpec
+from finetune.plan import gpus
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate
 from finetune.plan.workload import Workload
 

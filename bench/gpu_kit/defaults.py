@@ -57,10 +57,10 @@ from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars  # noqa: E402
 from finetune.models import catalog  # noqa: E402
-from finetune.train import loading  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.memory import GIB, estimate, model_states, place_states  # noqa: E402
 from finetune.plan.workload import from_run  # noqa: E402
+from finetune.train import loading  # noqa: E402
 from finetune.train.dry_run import device_of  # noqa: E402
 from finetune.train.optim import build_optimizer  # noqa: E402
 from finetune.train.run import this_device  # noqa: E402

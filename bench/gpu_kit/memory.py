@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from forked import RowRunner  # noqa: E402
 
-from finetune.plan import gpus as gpu_catalog  # noqa: E402
 from finetune.models.catalog import get as catalog_model  # noqa: E402
+from finetune.plan import gpus as gpu_catalog  # noqa: E402
 from finetune.plan.memory import CUDA_CONTEXT_GIB  # noqa: E402
 from finetune.plan.params import count_params  # noqa: E402
 
@@ -98,8 +98,8 @@ def least_sure_first(rows: list[Row], gpu: str) -> list[Row]:
     """The rows whose planned speed the fit is least sure of on `gpu` first (the widest likely range:
     shape families never measured on its chip before measured ones, plan/speed_range.py); rows
     equally sure keep their order."""
-    from finetune.plan.speed_range import speed_range
     from finetune.plan.speed import CALIBRATION
+    from finetune.plan.speed_range import speed_range
     from finetune.plan.workload import Workload
 
     spec = gpu_catalog.get(gpu)
@@ -119,8 +119,8 @@ def predict(row: Row, gpu: str, data: Path | str, output_dir: Path | str) -> dic
     building the model): the planner's prediction for exactly the run those flags resolve to on
     `gpu`. The catalog name stands in for the random-init checkpoint of the same shape."""
     from finetune.config.flags import parse_config
-    from finetune.plan.report import plan_dict
     from finetune.config.resolve import Device, Launch, resolve_run
+    from finetune.plan.report import plan_dict
     from finetune.train.dry_run import plan_run
 
     spec = gpu_catalog.get(gpu)

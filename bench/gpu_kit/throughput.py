@@ -49,6 +49,7 @@ sys.path[:0] = [str(REPO), str(KIT)]
 
 import memory  # noqa: E402  (the kit's random-init checkpoints, text rows and metrics reading)
 from forked import run_logged  # noqa: E402
+
 from finetune.cli import use_expandable_segments  # noqa: E402
 from finetune.config.flags import parse_config  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402

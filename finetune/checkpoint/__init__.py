@@ -21,8 +21,15 @@ unpickle some files with `weights_only=False`; see `unsafe_pickle_globals`).
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.identity import resume_identity
 from finetune.checkpoint.layout import (
-    HF_DIR, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, incompleteness,
-    read_manifest, step_dir_name,
+    HF_DIR,
+    MANIFEST,
+    CheckpointError,
+    checkpoints_dir,
+    complete_checkpoints,
+    find_checkpoint,
+    incompleteness,
+    read_manifest,
+    step_dir_name,
 )
 from finetune.checkpoint.safety import unsafe_pickle_globals
 

@@ -21,8 +21,19 @@ from accelerate.utils import DistributedType
 
 from finetune.checkpoint.identity import identity_differences, package_versions, resume_identity
 from finetune.checkpoint.layout import (
-    FORMAT_VERSION, HF_DIR, INCOMPLETE, MANIFEST, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint,
-    incompleteness, read_manifest, step_dir_name, step_of, take_inventory,
+    FORMAT_VERSION,
+    HF_DIR,
+    INCOMPLETE,
+    MANIFEST,
+    CheckpointError,
+    checkpoints_dir,
+    complete_checkpoints,
+    find_checkpoint,
+    incompleteness,
+    read_manifest,
+    step_dir_name,
+    step_of,
+    take_inventory,
 )
 from finetune.checkpoint.safety import unsafe_pickle_globals
 from finetune.config.resolve import ResolvedRun

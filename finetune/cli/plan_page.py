@@ -23,7 +23,6 @@ from finetune.plan.choose import Plan, plan
 from finetune.plan.files import ACCELERATE_FILE, DEFAULT_CONFIG_DIR, config_texts, train_flags
 from finetune.plan.query import parse_gpus
 
-
 PAGE_FLAGS = {
     "model": "--model", "nodes": "--nodes", "method": "--method", "strategy": "--strategy", "offload": "--offload",
     "precision": "--precision", "optimizer": "--optimizer", "lora_r": "--lora-r", "lora_targets": "--lora-targets",

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import ConfigError
-from finetune.config.options import BatchShape, TrainConfig
 from finetune.config.names import PRECISIONS, trains_pure_bf16
+from finetune.config.options import BatchShape, TrainConfig
+from finetune.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import yaml
 from finetune.config.options import EVERY_OPTION, TrainConfig, flag_name, validate
 from finetune.errors import ConfigError
 
+
 def _base_type(annotation: Any) -> type:
     """int for `int | None`, etc. (annotations are strings under `from __future__ import annotations`)."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.models import catalog, source
-from finetune.errors import ConfigError
 from finetune.config.names import METHODS, OPTIMIZERS, PRECISIONS
+from finetune.errors import ConfigError
+from finetune.models import catalog, source
 
 FORMATS = ("auto", "alpaca", "chat", "sharegpt", "text")
 ATTENTIONS = ("auto", "sdpa", "flex", "flash")

@@ -16,16 +16,15 @@ from pathlib import Path
 
 import yaml
 
-from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
+from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
+from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
+from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
+from finetune.config.switches import Switches, resolve_switches
+from finetune.errors import ConfigError
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
 from finetune.models.source import ModelSource
-from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
-from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
-from finetune.config.names import (PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision,
-                                   zero_strategy)
-from finetune.config.switches import Switches, resolve_switches
 
 # how conflicts name DeepSpeed settings that came from the accelerate config rather than a JSON file
 LAUNCH_DEEPSPEED = "accelerate config (deepspeed_config section; delete a key there to let finetune set it)"

@@ -19,8 +19,16 @@ from finetune.data import cache
 from finetune.data.builtin import BUILTIN_DIR
 from finetune.data.collate import Collator
 from finetune.data.formats import (
-    CONVERSATION_KEYS, batch_rows, check_rows, detect_format, encode, encode_as_training, expected_answer, has_target,
-    id_columns, prompt_ids,
+    CONVERSATION_KEYS,
+    batch_rows,
+    check_rows,
+    detect_format,
+    encode,
+    encode_as_training,
+    expected_answer,
+    has_target,
+    id_columns,
+    prompt_ids,
 )
 from finetune.data.packing import pack
 from finetune.data.sources import load_splits, source_digest, split_eval

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.errors import FinetuneError
 from finetune.config.names import IGNORE_INDEX
+from finetune.errors import FinetuneError
 
 
 class Collator:

@@ -21,8 +21,8 @@ from numbers import Number
 
 import datasets
 
-from finetune.errors import FinetuneError
 from finetune.config.names import IGNORE_INDEX
+from finetune.errors import FinetuneError
 
 # format → (required fields, optional fields); detection tries them in this order
 FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

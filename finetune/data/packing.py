@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import datasets
 
-from finetune.data.formats import id_columns
 from finetune.config.names import IGNORE_INDEX
+from finetune.data.formats import id_columns
 
 PACK_BATCH = 1000  # examples packed together; a row never spans two such batches
 

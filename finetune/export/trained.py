@@ -12,7 +12,14 @@ from pathlib import Path
 import yaml
 
 from finetune.checkpoint.layout import (
-    HF_DIR, MANIFEST, STEP_DIR, CheckpointError, checkpoints_dir, complete_checkpoints, find_checkpoint, read_manifest,
+    HF_DIR,
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    checkpoints_dir,
+    complete_checkpoints,
+    find_checkpoint,
+    read_manifest,
 )
 from finetune.checkpoint.weights import SafetensorsWeights, Weights, open_weights
 

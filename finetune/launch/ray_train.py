@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune.checkpoint.layout import checkpoints_dir, find_checkpoint, step_of, take_inventory
-from finetune.config.options import TrainConfig
 from finetune.config.flags import OneLineParser, parse_command
+from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError, FinetuneError, ReportedElsewhere
 

@@ -31,18 +31,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.config.flags import parse_command, save_yaml
+from finetune.config.options import TrainConfig
+from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.errors import FinetuneError
 from finetune.launch import rehearse
 from finetune.plan.gpus import GPUSpec, identify
-from finetune.config.options import TrainConfig
-from finetune.config.flags import parse_command, save_yaml
-from finetune.errors import FinetuneError
-from finetune.train.metrics import read_metrics
 from finetune.plan.memory import model_states
 from finetune.plan.speed import collectives, exposed_seconds, training_flops
 from finetune.plan.workload import Workload, from_run
-from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.train.accelerator import free_port
-
+from finetune.train.metrics import read_metrics
 
 # Run-to-run spread of tokens/s ((max - min) / median over the repeats) above which a process
 # count's numbers say more about the machine's other load than about scaling.

@@ -13,7 +13,6 @@ from finetune.errors import FinetuneError
 from finetune.models import catalog, families, gguf_import
 from finetune.models.catalog import ModelSpec
 
-
 # what --model accepts, for errors; `finetune plan` also reads a config.json path
 MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a model directory with config.json, or a .gguf file"
 PLAN_MODEL_FORMS = "a catalog name, a Hugging Face id (org/name), a directory with config.json, a config.json path, or a .gguf file"

@@ -13,21 +13,32 @@ sharding), then less memory per GPU.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from finetune.plan.gpus import GPUSpec
-from finetune.models.catalog import ModelSpec
-from finetune.errors import FinetuneError
-from finetune.plan import parallel
-from finetune.plan.memory import ALLOCATOR_SLACK, GIB, Breakdown, estimate, kept_layer_activations, unmeasured_terms
-from finetune.plan.speed import (CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds,
-                                  issue_seconds)
-from finetune.plan.workload import Workload
-from finetune.config.names import (METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES, Method, Offload, Optimizer,
-                                   Precision, Strategy, check_precision, default_precision, named)
+from finetune.config.names import (
+    METHODS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    Method,
+    Offload,
+    Optimizer,
+    Precision,
+    Strategy,
+    check_precision,
+    default_precision,
+    named,
+)
 from finetune.config.switches import Switches, resolve_switches
+from finetune.errors import FinetuneError
+from finetune.models.catalog import ModelSpec
+from finetune.plan import parallel
+from finetune.plan.gpus import GPUSpec
+from finetune.plan.memory import ALLOCATOR_SLACK, GIB, Breakdown, estimate, kept_layer_activations, unmeasured_terms
+from finetune.plan.speed import CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds, issue_seconds
+from finetune.plan.workload import Workload
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 
-from finetune.plan import gpus as gpu_catalog
-from finetune.models import catalog as model_catalog
-from finetune.errors import FinetuneError
 from finetune.config.names import PRECISIONS
+from finetune.errors import FinetuneError
+from finetune.models import catalog as model_catalog
+from finetune.plan import gpus as gpu_catalog
+
 
 def _flexible(key: str) -> str:
     """Regex matching a squashed name with optional spaces, dashes, dots or underscores between characters."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from finetune.plan.choose import Plan, Request, describe
-from finetune.plan.files import launch_command, ray_command
 from finetune.models.catalog import ModelSpec
 from finetune.plan import moe
+from finetune.plan.choose import Plan, Request, describe
+from finetune.plan.files import launch_command, ray_command
 from finetune.plan.memory import GIB, trainable_params, unmeasured_terms
 from finetune.plan.params import count_params
 from finetune.plan.workload import Workload

@@ -34,12 +34,11 @@ import math
 from dataclasses import dataclass
 
 from finetune.config.switches import chunk_tokens
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
 from finetune.plan import params
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
-from finetune.plan.traffic import (DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels,
-                                   traffic)
+from finetune.plan.traffic import DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels, traffic
 from finetune.plan.workload import Workload
 
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.models.catalog import ModelSpec
 from finetune.plan import moe
 from finetune.plan.memory import model_states, residual_bytes, trainable_params
 from finetune.plan.params import adapted, count_params, layer_linears, resolve_lora_targets
-from finetune.models.catalog import ModelSpec
 from finetune.plan.workload import Workload
 
 # Bytes per element of the hidden state, per RMSNorm, forward (16-bit stream): upcast (2 + 4),

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from finetune.plan.gpus import GPUSpec
-from finetune.models.catalog import ModelSpec
-from finetune.errors import FinetuneError
 from finetune.config.names import PRECISIONS, STRATEGIES, Method, Offload, Optimizer, Precision, Strategy, named
+from finetune.errors import FinetuneError
+from finetune.models.catalog import ModelSpec
+from finetune.plan.gpus import GPUSpec
 
 if TYPE_CHECKING:  # the run side imports torch; the planner only reads the resolved values
     from finetune.config.resolve import ResolvedRun

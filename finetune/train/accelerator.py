@@ -27,11 +27,11 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from finetune.errors import ConfigError
 from finetune.config import deepspeed_json
 from finetune.config.names import trains_pure_bf16
-from finetune.train import parallel, preflight
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
+from finetune.errors import ConfigError
+from finetune.train import parallel, preflight
 
 RESOLVED_DEEPSPEED_FILE = "deepspeed_config.json"
 

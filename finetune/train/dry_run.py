@@ -17,19 +17,19 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from finetune.plan import gpus as gpu_catalog
-from finetune.plan.gpus import GPUSpec
+from finetune.config.flags import command_line
+from finetune.config.names import trains_pure_bf16
+from finetune.config.resolve import Device, ResolvedRun
 from finetune.errors import FinetuneError
+from finetune.plan import gpus as gpu_catalog
 from finetune.plan import report
 from finetune.plan.choose import Plan, Request, explain
 from finetune.plan.files import ACCELERATE_FILE, DEEPSPEED_FILE, DEFAULT_CONFIG_DIR, launch_command, plan_command
+from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import GIB, ModelStates, deepspeed_optimizer_bytes, estimate, place_states
+from finetune.plan.params import params_by_kind, resolve_lora_targets
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload, from_run
-from finetune.config.names import trains_pure_bf16
-from finetune.config.flags import command_line
-from finetune.config.resolve import Device, ResolvedRun
-from finetune.plan.params import params_by_kind, resolve_lora_targets
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
 
@@ -70,8 +70,8 @@ def run_of_plan(plan: Plan, config_dir: str | Path, output_dir: str | Path) -> R
     `finetune` parses them, its strategy as its accelerate config announces it to each process
     (the DeepSpeed JSON is read from `config_dir`, where `write_configs` put it)."""
     from finetune.config.flags import parse_config
-    from finetune.plan.files import DEEPSPEED_FILE, train_flags
     from finetune.config.resolve import Launch, resolve_run
+    from finetune.plan.files import DEEPSPEED_FILE, train_flags
 
     w = plan.workload
     config = parse_config([*train_flags(w), "--gpu", w.gpu.name, "--output-dir", str(output_dir)])

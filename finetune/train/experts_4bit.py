@@ -20,9 +20,9 @@ from __future__ import annotations
 from types import MethodType
 
 import torch
-from torch.nn.utils import parametrize
 from bitsandbytes.functional import quantize_4bit
 from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+from torch.nn.utils import parametrize
 from transformers import BitsAndBytesConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.integrations.bitsandbytes import Bnb4bitQuantize

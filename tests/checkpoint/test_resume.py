@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, reset_accelerate, word_rows, tiny_model_dir, write_jsonl
+from helpers import REPO, reset_accelerate, tiny_model_dir, word_rows, write_jsonl
 
 from finetune import cli
 from finetune.config.options import TrainConfig

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 import torch
+from helpers import REPO
 from safetensors.torch import load_file
 
 from finetune.export.safetensors import export

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from finetune.errors import ConfigError
-from finetune.config.options import TrainConfig, planned_epochs, resolve_batch_shape, scaled_lr
 from finetune.config.flags import build_parser, parse_config, save_yaml
+from finetune.config.options import TrainConfig, planned_epochs, resolve_batch_shape, scaled_lr
+from finetune.errors import ConfigError
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):

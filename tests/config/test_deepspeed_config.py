@@ -7,12 +7,12 @@ import json
 import pytest
 from helpers import REPO
 
-from finetune.errors import ConfigError
-from finetune.config import deepspeed_json
 from finetune.checkpoint.identity import resume_identity
-from finetune.config.options import BatchShape, TrainConfig
+from finetune.config import deepspeed_json
 from finetune.config.flags import parse_command
+from finetune.config.options import BatchShape, TrainConfig
 from finetune.config.resolve import LAUNCH_DEEPSPEED, Device, Launch, resolve_run
+from finetune.errors import ConfigError
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-80GB", bf16=True)
 

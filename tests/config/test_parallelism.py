@@ -269,6 +269,7 @@ def test_a_tp_plans_printed_launch_command_runs_as_printed(tmp_path):
     """The command `finetune plan` prints for a TP plan, and the files it writes, with only the model
     swapped for `tiny` and the run shortened, train 2 CPU processes under `accelerate launch`."""
     import json
+
     from helpers import run_printed_launch
 
     done = run_printed_launch(layout_plan("full FSDP2 + TP 2"), tmp_path, {"ACCELERATE_USE_CPU": "1"},
@@ -307,10 +308,10 @@ def test_the_chunked_loss_takes_a_context_parallel_batch_as_the_models_own_loss_
     """Under CP each rank's slice of a row comes with its labels shifted already (data/collate.py):
     the chunked loss, which keeps LoRA runs free of full-vocabulary logits, reads them as transformers does."""
     import torch
+    from helpers import tiny_model
 
     from finetune.data.collate import Collator
     from finetune.train import chunked_loss
-    from helpers import tiny_model
 
     rows = [{"input_ids": list(range(3, 12)), "labels": [-100] * 3 + list(range(6, 12))},
             {"input_ids": list(range(20, 26)), "labels": list(range(20, 26))}]

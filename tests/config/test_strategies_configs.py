@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import REPO
 import yaml
+from helpers import REPO
 
 from finetune.config import deepspeed_json
-from finetune.plan import gpus
-from finetune.models import catalog
 from finetune.config.options import BatchShape, TrainConfig
+from finetune.models import catalog
+from finetune.plan import gpus
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import accelerate_config, deepspeed_config
 

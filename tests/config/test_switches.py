@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from helpers import LIGER_BROKEN, LIGER_WORKING
 
+from finetune.config import switches as switches_module
 from finetune.config.names import STRATEGIES
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
-from finetune.config import switches as switches_module
 from finetune.config.switches import liger_table, resolve_switches
 from finetune.models import catalog
 from finetune.plan import gpus

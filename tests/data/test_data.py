@@ -13,13 +13,13 @@ import torch
 from helpers import tiny_model, write_jsonl
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from finetune.models.catalog import get
+from finetune.config.names import IGNORE_INDEX
 from finetune.config.options import TrainConfig
 from finetune.data import BUILTIN_DIR, Collator, prepare_data
 from finetune.data.builtin import CHARACTERS, DATASET_FILE, NUM_ROWS, TASKS, write_builtin
-from finetune.config.names import IGNORE_INDEX
 from finetune.data.formats import alpaca_prompt
 from finetune.errors import FinetuneError
+from finetune.models.catalog import get
 
 ALPACA_ROWS = [
     {"instruction": "Add.", "input": "2+3", "output": "5"},

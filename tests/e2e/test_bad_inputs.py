@@ -427,8 +427,8 @@ CASES = [
 def catalog_tiny_dir(tmp_path_factory) -> Path:
     """The catalog's `tiny` model as `--model tiny` writes it (config, random-init weights, builtin
     tokenizer), once, for the cases' `--model tiny-model`."""
-    from finetune.train import loading
     from finetune.models.catalog import get
+    from finetune.train import loading
 
     folder = tmp_path_factory.mktemp("models") / "tiny-model"
     loading.materialize_random_init(get("tiny"), folder, seed=0)

@@ -19,17 +19,17 @@ from helpers import REPO, retrain
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from finetune.models import gguf_import
-from finetune.models.source import model_source
-from finetune.train import loading
-from finetune.launch import rehearsal_outcome, rehearse
-from finetune.models.catalog import get
+from finetune.config.names import IGNORE_INDEX
 from finetune.config.options import TrainConfig
 from finetune.data import prepare_data
+from finetune.launch import rehearsal_outcome, rehearse
+from finetune.models import gguf_import
+from finetune.models.catalog import get
+from finetune.models.source import model_source
+from finetune.train import loading
+from finetune.train.accelerator import free_port
 from finetune.train.metrics import read_metrics
 from finetune.train.run import resolve
-from finetune.train.accelerator import free_port
-from finetune.config.names import IGNORE_INDEX
 
 pytestmark = pytest.mark.slow
 

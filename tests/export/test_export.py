@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import train_steps
 import torch
+from helpers import train_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.errors import CheckpointError
 from finetune.cli import main as cli
+from finetune.errors import CheckpointError
 from finetune.export.safetensors import export, parse_size
 from finetune.export.trained import find_trained
 

@@ -9,8 +9,8 @@ import torch
 from helpers import train_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.errors import GgufExportError
 from finetune.cli import main as cli
+from finetune.errors import GgufExportError
 from finetune.export.gguf import export_gguf
 
 MESSAGES = [{"role": "user", "content": "What is 7 plus 7?"}]

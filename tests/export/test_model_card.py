@@ -10,9 +10,9 @@ from huggingface_hub import ModelCard
 
 from finetune.cli import main as cli
 from finetune.config.options import TrainConfig
+from finetune.export.card import RunRecord, model_card
 from finetune.export.safetensors import export
 from finetune.train.metrics import read_metrics
-from finetune.export.card import RunRecord, model_card
 
 
 def card_of(folder) -> ModelCard:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 import torch
+from helpers import REPO
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO / "bench/gpu_kit"))

@@ -14,17 +14,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import (LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows,
-                     write_jsonl)
+from helpers import LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows, write_jsonl
 
 KIT = REPO / "bench/gpu_kit"
 sys.path.insert(0, str(KIT))
 
 import memory  # noqa: E402
+import wheels  # noqa: E402
 from forked import RowRunner  # noqa: E402
 
 from finetune.train.metrics import read_metrics  # noqa: E402
-import wheels  # noqa: E402
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
@@ -254,6 +253,7 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     same checkpoint, rows and shape."""
     import baselines
     import throughput
+
     from finetune.config.flags import parse_config
 
     result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
@@ -380,6 +380,7 @@ def test_throughput_table_lines():
 def text_rows(tmp_path):
     """memory.py's text rows of 32 tokens, encoded by the builtin tokenizer the random-init checkpoints carry."""
     import baselines
+
     from finetune.data import BUILTIN_DIR
     from finetune.train.loading import load_tokenizer
 

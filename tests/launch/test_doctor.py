@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from finetune.cli import main as cli_main
+from finetune.launch.bandwidth import AllReduceTiming, spawn_all_reduce
 from finetune.launch.doctor import checks
 from finetune.launch.doctor.command import merge_findings
 from finetune.launch.doctor.probe import Machine, parse_topology
-from finetune.launch.bandwidth import AllReduceTiming, spawn_all_reduce
-from finetune.cli import main as cli_main
 from finetune.train.accelerator import free_port
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.1, "capability": "9.0", "bf16": True}

@@ -11,10 +11,10 @@ import time
 
 from helpers import REPO
 
-from finetune.train import preflight
-from finetune.launch import slurm
 from finetune.config.options import TrainConfig
+from finetune.launch import slurm
 from finetune.launch.rehearse import write_shrunk_model
+from finetune.train import preflight
 from finetune.train.accelerator import free_port
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

@@ -24,10 +24,10 @@ from finetune.config.flags import parse_command
 from finetune.config.resolve import Launch
 from finetune.errors import ConfigError, ReportedElsewhere
 from finetune.launch import ray_train
+from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import ray_command
-from finetune.models import catalog
 from finetune.train.accelerator import free_port
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}

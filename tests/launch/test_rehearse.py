@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from finetune.config.flags import parse_command
+from finetune.config.options import TrainConfig, base_lr
 from finetune.errors import ConfigError
 from finetune.launch import rehearsal_outcome, rehearse
-from finetune.config.options import TrainConfig, base_lr
-from finetune.config.flags import parse_command
 
 
 @pytest.mark.parametrize(("model", "model_class", "kv_heads"), [
@@ -141,8 +141,8 @@ def test_a_validation_error_is_kept_whole_with_the_field_it_names():
 
 
 def test_inspect_run_finds_empty_adapters_and_missing_checkpoints(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 4.0 - s, "lr": 0.1}) + "\n" for s in (1, 2)))
     save_file({"lora_A": torch.zeros(0, 4)}, tmp_path / "adapter_model.safetensors")

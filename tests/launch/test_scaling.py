@@ -6,14 +6,14 @@ import json
 import pytest
 from helpers import REPO
 
-from finetune.plan.gpus import GPUSpec
 from finetune.cli import main as cli_main
 from finetune.config.options import TrainConfig
-from finetune.errors import FinetuneError
-from finetune.launch.scaling import main as scaling_main
-from finetune.plan.workload import from_run
 from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.errors import FinetuneError
 from finetune.launch.scaling import MAX_SPREAD, Measurement, Timing, format_table, model_efficiency, rows_of
+from finetune.launch.scaling import main as scaling_main
+from finetune.plan.gpus import GPUSpec
+from finetune.plan.workload import from_run
 
 CONFIGS = REPO / "accelerate_configs"
 CPU = GPUSpec("cpu", 0.0, 0.0, False, "gloo", 0.0, 0.0, 0.0)

@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from finetune.plan import gpus
-from finetune.models import catalog
 from finetune.errors import FinetuneError, UnknownGPUError
+from finetune.models import catalog
+from finetune.plan import gpus
 from finetune.plan.params import count_params, lora_params, resolve_lora_targets
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune.models import catalog
 from finetune.plan import cluster, gpus
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import config_texts, launch_command
-from finetune.models import catalog
 from finetune.train.accelerator import free_port
 
 SKYPILOT_SCHEMA = Path(__file__).parent / "engine_schemas" / "skypilot-0.14.1-task.schema.json"

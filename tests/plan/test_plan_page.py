@@ -18,9 +18,9 @@ from urllib.parse import urlencode
 import pytest
 from helpers import REPO
 
+from finetune.cli.plan import page_answer
 from finetune.models import catalog
 from finetune.plan import serve
-from finetune.cli.plan import page_answer
 
 ENV = os.environ | {"PYTHONPATH": str(REPO)}
 

@@ -20,9 +20,9 @@ import pytest
 from helpers import REPO
 from playwright import sync_api
 
+from finetune.cli.plan import page_answer
 from finetune.models import catalog as model_catalog
 from finetune.plan import serve
-from finetune.cli.plan import page_answer
 
 CHROMIUM = os.environ.get("FINETUNE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # no sandbox (containers run as root), no GPU, and nothing that calls home

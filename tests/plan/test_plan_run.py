@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from finetune.errors import FinetuneError
-from finetune.plan import gpus
-from finetune.models import catalog
 from finetune.config.options import TrainConfig
+from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.errors import FinetuneError
+from finetune.models import catalog
+from finetune.plan import gpus
 from finetune.plan.choose import Request, describe, plan
 from finetune.plan.files import launch_command, write_configs
 from finetune.plan.memory import GIB, estimate, place_states
 from finetune.plan.workload import from_run
-from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.train.dry_run import build, built_states, run_of_plan
 from finetune.train.fit_check import fit_problem
 
@@ -351,8 +351,8 @@ REHEARSED_PLANS = {  # the three shapes the planner writes: a plain launch, FSDP
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REHEARSED_PLANS))
 def test_written_plan_rehearses_on_cpu(name, tmp_path):
-    from finetune.launch import rehearsal_outcome, rehearse
     from finetune.config.flags import parse_config
+    from finetune.launch import rehearsal_outcome, rehearse
     from finetune.plan.files import train_flags
 
     request, strategy = REHEARSED_PLANS[name]

@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from finetune.plan import gpus
-from finetune.models import catalog
 from finetune.cli import main as cli_main
 from finetune.errors import FinetuneError
+from finetune.models import catalog
+from finetune.models.source import resolve_model
+from finetune.plan import gpus
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import accelerate_config, deepspeed_config, launch_command, write_configs
 from finetune.plan.memory import GIB, estimate
-from finetune.models.source import resolve_model
 from finetune.plan.query import parse_gpus, parse_query
 from finetune.plan.workload import Workload
 

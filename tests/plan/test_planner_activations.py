@@ -17,11 +17,11 @@ import transformers
 
 from finetune.config.options import TrainConfig
 from finetune.models import catalog
-from finetune.train import loading
 from finetune.plan import gpus
 from finetune.plan.memory import dequant_scratch_bytes, estimate
 from finetune.plan.params import NF4_DOUBLE_QUANT_BYTES, count_params
 from finetune.plan.workload import Workload
+from finetune.train import loading
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -13,14 +13,14 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan import gpus
-from finetune.models import catalog
 from finetune.config.options import TrainConfig
-from finetune.errors import FinetuneError
-from finetune.plan.memory import estimate
-from finetune.train.simulate import simulate
-from finetune.plan.workload import from_run
 from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.errors import FinetuneError
+from finetune.models import catalog
+from finetune.plan import gpus
+from finetune.plan.memory import estimate
+from finetune.plan.workload import from_run
+from finetune.train.simulate import simulate
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
 
@@ -83,9 +83,9 @@ def test_simulate_refuses_what_cannot_run_on_fake_tensors(tmp_path):
 def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_path):
     """A recommended ZeRO-2 or QLoRA plan is outside what --simulate runs: the output names what it
     checks, then simulates the best-ranked plan it can run (or says that none is one)."""
+    from finetune.cli.plan import simulation_text
     from finetune.models.source import resolve_model
     from finetune.plan.choose import Request, plan
-    from finetune.cli.plan import simulation_text
 
     spec = resolve_model(shrunk_model(tmp_path / "model", "llama-7b", 2))
     plans, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", offload="none", seq_len=512))

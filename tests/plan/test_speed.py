@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan import gpus
 from finetune.models import catalog
+from finetune.plan import gpus
 from finetune.plan.memory import model_states, trainable_params
 from finetune.plan.speed import DDP_BUCKET_BYTES, LATENCY_S, NOTHING, collectives, estimate_speed, gathered_weight_bytes
 from finetune.plan.workload import Workload

@@ -13,10 +13,11 @@ from dataclasses import fields, replace
 import pytest
 from helpers import REPO
 
-from finetune.cli import ALLOCATOR_CONF, main as cli_main, use_expandable_segments
+from finetune.cli import ALLOCATOR_CONF, use_expandable_segments
+from finetune.cli import main as cli_main
+from finetune.config.switches import chunk_tokens
 from finetune.models import catalog
 from finetune.plan import gpus
-from finetune.config.switches import chunk_tokens
 from finetune.plan.memory import estimate
 from finetune.plan.speed import CALIBRATION, CHUNK_KERNELS, estimate_speed, gpu_seconds, issue_seconds, memory_bytes_per_s
 from finetune.plan.speed_range import LIKELY_Z, MEASURED, SPREAD, UNMEASURED_SPREAD

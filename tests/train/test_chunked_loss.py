@@ -13,9 +13,9 @@ from helpers import tiny_model
 
 from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, STRATEGIES
 from finetune.config.options import TrainConfig
+from finetune.plan import memory
 from finetune.train import chunked_loss
 from finetune.train.loading import prepare_for_training
-from finetune.plan import memory
 from finetune.train.speedups import apply_speedups
 
 VOCAB = 300

@@ -13,13 +13,13 @@ from helpers import reset_accelerate, tiny_model
 from torch.utils.data import DataLoader
 
 from finetune.checkpoint.progress import Progress
-from finetune.train import loop
-from finetune.data import Collator
-from finetune.train.metrics import MetricsRecorder, read_metrics
 from finetune.config.options import TrainConfig
+from finetune.data import Collator
+from finetune.train import loop
+from finetune.train.accelerator import build_accelerator
+from finetune.train.metrics import MetricsRecorder, read_metrics
 from finetune.train.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
 from finetune.train.run import resolve
-from finetune.train.accelerator import build_accelerator
 
 PAD = 0
 

@@ -19,13 +19,13 @@ from finetune.config.options import TrainConfig, validate
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError
 from finetune.models import catalog
-from finetune.train.loading import prepare_for_training
 from finetune.plan import gpus
 from finetune.plan.choose import KEPT_ACTIVATIONS_MARGIN, PARTIAL_CHECKPOINTING_HEADROOM, Request, fewest_checkpointed, plan
 from finetune.plan.files import launch_command
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate, kept_layer_activations, unmeasured_terms
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload
+from finetune.train.loading import prepare_for_training
 
 LAYERS = 4
 

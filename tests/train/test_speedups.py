@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from finetune.config.options import TrainConfig
 from finetune.config.flags import parse_config
+from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError
 from finetune.train.speedups import apply_speedups, choose_speedups, compile_blocks

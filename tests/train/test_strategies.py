@@ -10,10 +10,10 @@ import pytest
 from helpers import REPO
 
 from finetune.config.options import TrainConfig
-from finetune.errors import ConfigError, FinetuneError
 from finetune.config.resolve import Device, Launch, resolve_precision, resolve_run
-from finetune.train.run import resolve
+from finetune.errors import ConfigError, FinetuneError
 from finetune.train.accelerator import build_accelerator, describe_setup, fsdp_plugin_from_launch
+from finetune.train.run import resolve
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-40GB", bf16=True)
 T4 = Device(cuda=True, name="Tesla T4", bf16=False)

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import REPO, retrain
 from safetensors.torch import load_file
-import yaml
 
-from finetune.launch import rehearsal_outcome, rehearse
 from finetune.config.flags import parse_command
+from finetune.launch import rehearsal_outcome, rehearse
 from finetune.train.accelerator import free_port
 
 pytestmark = pytest.mark.slow

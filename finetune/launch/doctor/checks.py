@@ -7,11 +7,11 @@ import json
 import re
 from dataclasses import dataclass
 
-from finetune.train import preflight
 from finetune.launch.bandwidth import AllReduceTiming
-from finetune.plan import gpus as gpu_catalog
 from finetune.launch.doctor.probe import GIB, Machine
+from finetune.plan import gpus as gpu_catalog
 from finetune.plan.speed import INTER_NODE_GB_PER_S
+from finetune.train import preflight
 
 # Docker gives containers 64 MB of /dev/shm; NCCL's shared-memory transport and DataLoader workers
 # need far more and die with "Bus error" (the classic container failure).
