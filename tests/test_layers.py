@@ -94,6 +94,17 @@ def test_imports_point_down_the_folder_order():
     assert not upward, "\n".join(upward)
 
 
+def test_the_development_page_states_this_order():
+    """docs/development.md's `a` → `b/`, `c/` → … line is FOLDERS, bottom first (the package's own
+    __init__ aside), so the page a contributor reads is the rule this test enforces."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "development.md").read_text()
+    line = re.search(r"`errors`[^.]*`__main__`", page, re.S).group()
+    stated = [tuple(re.findall(r"`(\w+)/?`", part)) for part in line.split("→")]
+    assert stated == [tuple(name for name in names if name != "finetune") for names in FOLDERS]
+
+
 def test_no_import_cycle():
     known = modules()
     graph = {name: imported(name, path, known) for name, path in known.items()}
