@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from finetune.config import switches
 from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, STRATEGIES
 from finetune.config.options import TrainConfig
-from finetune.plan import memory
 from finetune.train import chunked_loss
 from finetune.train.loading import prepare_for_training
 from finetune.train.speedups import apply_speedups
@@ -24,7 +24,7 @@ VOCAB = 300
 @pytest.fixture(autouse=True)
 def chunks_of_seven_tokens(monkeypatch):
     """Several chunks per batch, the last one short."""
-    monkeypatch.setattr(memory, "CHUNK_LOGITS", 7 * VOCAB)
+    monkeypatch.setattr(switches, "CHUNK_LOGITS", 7 * VOCAB)
 
 
 def batch(seed: int = 0) -> dict:
