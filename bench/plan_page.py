@@ -5,8 +5,8 @@ in the page waits for, the 250 ms debounce aside. Run: python bench/plan_page.py
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -42,4 +42,6 @@ def main(repeats: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("repeats", nargs="?", type=int, default=10, help="fresh servers per query (default 10)")
+    main(parser.parse_args().repeats)

@@ -180,7 +180,12 @@ def cluster_texts(plan: Plan, config_dir: str, launch_files: dict[str, str], lau
             for name in documents}
 
 
-class BlockStrings(yaml.SafeDumper):
+# libyaml's emitter where PyYAML was built with it: the page writes these files for every plan it
+# shows, and the pure-Python emitter was most of its answer time (bench/plan_page.py)
+SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class BlockStrings(SAFE_DUMPER):
     """YAML with multi-line strings (scripts, the files a ConfigMap holds) as `|` blocks, readable."""
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from finetune.config.switches import resolve_switches
 from finetune.plan.choose import Plan
-from finetune.plan.cluster import cluster_texts
+from finetune.plan.cluster import SAFE_DUMPER, cluster_texts
 from finetune.plan.memory import DS_BUCKET_ELEMENTS
 from finetune.plan.workload import Workload
 
@@ -191,7 +191,7 @@ def config_texts(plan: Plan, directory: str = DEFAULT_CONFIG_DIR) -> dict[str, s
     """File name → text of the accelerate YAML (and the DeepSpeed JSON for ZeRO plans), as they
     read when saved in `directory` (the YAML names the JSON by its path there), and the Kubernetes,
     SkyPilot and dstack jobs that run the launch command (plan/cluster.py)."""
-    texts = {ACCELERATE_FILE: yaml.safe_dump(accelerate_config(plan, directory), sort_keys=False)}
+    texts = {ACCELERATE_FILE: yaml.dump(accelerate_config(plan, directory), Dumper=SAFE_DUMPER, sort_keys=False)}
     ds = deepspeed_config(plan)
     if ds is not None:
         texts[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"

@@ -200,6 +200,7 @@ def count_params(spec: ModelSpec) -> ParamCounts:
     )
 
 
+@cache  # asked for every memory and speed estimate of the search
 def resolve_lora_targets(spec: ModelSpec, targets: str, method: str = "lora") -> LoraTargets:
     """`--lora-targets` for this model and method (families.lora_targets): raises FinetuneError
     naming what its family accepts when a term names nothing in it."""
