@@ -162,7 +162,7 @@ def test_lora_targets_of_the_real_model(smollm2_dir):
     projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for targets, expected in (("all-linear", projections), ("q_proj,v_proj", {"q_proj", "v_proj"})):
         run, _ = resolve(TrainConfig(model="smollm2-135m", method="lora", lora_targets=targets))
-        assert run.source == str(smollm2_dir)
+        assert run.model.weights == str(smollm2_dir)
         model = loading.load_model(run, torch.device("cpu"))
         adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
         assert len(adapted) == 30 * len(expected)
