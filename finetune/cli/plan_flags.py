@@ -126,7 +126,7 @@ def build_request(args: argparse.Namespace, resolve: Callable[[str], ModelSpec] 
 
     if "model" in fields_from_query:
         return request_for(fields_from_query.pop("model"))
-    return [request_for(name) for name in model_catalog.MODELS if name not in model_catalog.CPU_DEMOS]
+    return [request_for(name) for name in model_catalog.REAL_MODELS]
 
 
 def split_into_nodes(request_fields: dict) -> None:

@@ -270,6 +270,7 @@ _CATALOG: tuple[ModelSpec, ...] = (
 
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _CATALOG}
 CPU_DEMOS = ("tiny", "tiny-moe")  # trainable here in seconds; "what fits on ..." lists only the real models
+REAL_MODELS: dict[str, ModelSpec] = {name: spec for name, spec in MODELS.items() if name not in CPU_DEMOS}  # what "what fits" plans
 ALIASES: dict[str, str] = {
     "llama-2-7b": "llama-7b",
     "llama-13b": "llama-2-13b",

@@ -61,7 +61,7 @@ def catalog() -> dict:
     """What the form's menus offer: catalog models and GPUs, and each flag's choices."""
     return {
         "models": [{"name": name, "params_b": round(count_params(spec).total / 1e9, 2)}
-                   for name, spec in model_catalog.MODELS.items() if name not in model_catalog.CPU_DEMOS],
+                   for name, spec in model_catalog.REAL_MODELS.items()],
         "gpus": [{"name": name, "memory_gib": spec.memory_gib} for name, spec in gpu_catalog.GPUS.items()],
         "choices": {"method": list(METHODS), "strategy": list(STRATEGIES), "offload": list(OFFLOADS),
                     "precision": list(PRECISIONS), "optimizer": list(OPTIMIZERS)},

@@ -83,7 +83,7 @@ def test_typing_a_query_shows_the_ranked_table_and_a_launch_command(base_url, pa
     query.press_sequentially(QUERY, delay=5)
     page.wait_for_selector("#plans th:has-text('methods that fit')")
     rows = page.locator("#plans tbody tr")
-    assert rows.count() == len(model_catalog.MODELS) - len(model_catalog.CPU_DEMOS)
+    assert rows.count() == len(model_catalog.REAL_MODELS) == len(model_catalog.MODELS) - 2  # the CPU demos aside
     assert "llama-2-70b" in rows.nth(3).inner_text() and best_plan(QUERY, "llama-2-70b") in rows.nth(3).inner_text()
     assert page.locator("#launch").inner_text().startswith("accelerate launch --config_file plan/")
     assert "q=what+fits+on+2%C3%97A100+40GB" in page.url  # the link holds the query
