@@ -11,20 +11,25 @@
 #      Mistral-7B and Llama-3.1-8B, the model's own loss vs the chunked loss vs Liger for LoRA and QLoRA
 #      (loss, LoRA gradients, peak memory vs plan, ms per update), fused vs foreach AdamW, whether
 #      expandable segments take effect                             → $OUT/defaults.md, defaults.csv
-#   5. bench/gpu_kit/throughput.py (KIT_STEPS=throughput): the 7B rows, finetune's defaults and their A/B
+#   5. bench/gpu_kit/speed_terms.py (KIT_STEPS=terms, ~KIT_TERMS_SECONDS): where a micro-batch's time goes on 2- and
+#      4-layer cuts of the shapes the speed model misses most (Qwen2.5-1.5B, Qwen2.5-7B, Llama-3.2-3B) and two
+#      it fits: host issue, GPU busy by kernel class, kernel count per layer and for the rest, beside the plan's
+#                                                                  → $OUT/speed_terms.md, speed_terms.csv
+#   6. bench/gpu_kit/throughput.py (KIT_STEPS=throughput): the 7B rows, finetune's defaults and their A/B
 #      first (--no-chunked-loss, the planned partial checkpointing with its memory vs the plan, --liger),
 #      then TRL + Liger, TRL, a bare PEFT loop, the compiled rows, until the deadline
 #                                                                  → $OUT/throughput.csv, throughput-*.log
-#   6. pytest -m gpu (KIT_STEPS=tests): real CUDA steps of every method, FSDP2, ZeRO-2-offload,
+#   7. pytest -m gpu (KIT_STEPS=tests): real CUDA steps of every method, FSDP2, ZeRO-2-offload,
 #      resume/export, fit check                                    → $OUT/gpu-tests.log, gpu-tests.xml
-#   7. finetune doctor (KIT_STEPS=doctor)                          → $OUT/doctor.txt, doctor.json
-#   8. bench/gpu_kit/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
+#   8. finetune doctor (KIT_STEPS=doctor)                          → $OUT/doctor.txt, doctor.json
+#   9. bench/gpu_kit/memory.py until the deadline (KIT_STEPS=memory), rows forked from a preloaded server
 #      (forked.py)                                                 → $OUT/memory.md, memory.csv
-#   9. bench/gpu_kit/layouts.py (KIT_STEPS=layouts, 2+ GPUs): FSDP2 + TP and FSDP2 + CP rows beside FSDP2 alone
+#  10. bench/gpu_kit/layouts.py (KIT_STEPS=layouts, 2+ GPUs): FSDP2 + TP and FSDP2 + CP rows beside FSDP2 alone
 #      on the same GPUs; rows needing more GPUs than the machine has are listed → $OUT/layouts.md, layouts.csv
-# Knobs: KIT_STEPS (default "defaults throughput": what a lent GPU answers first; "tests doctor memory" for a
+# Knobs: KIT_STEPS (default "defaults terms throughput": what a lent GPU answers first; "tests doctor memory" for a
 # second command), KIT_SECONDS (total budget, default 570), KIT_DEFAULTS_SECONDS (cap for step 4, default 200),
-# KIT_TEST_SECONDS (cap for step 6, default 300), KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init
+# KIT_TERMS_SECONDS (cap for step 5, default 150),
+# KIT_TEST_SECONDS (cap for step 7, default 300), KIT_WHEELS (wheels folder), KIT_WORK (scratch: random-init
 # checkpoints, caches; default /tmp/finetune-gpukit, reused by a second command on the same machine),
 # KIT_MEMORY_ARGS (extra memory.py flags, e.g. "--models llama-7b,llama-3.1-8b"), KIT_THROUGHPUT_ARGS (extra
 # throughput.py flags, e.g. "--method qlora --micro-batch-size 4"), KIT_DEFAULTS_ARGS (extra defaults.py flags).
@@ -35,7 +40,7 @@ START=$(date +%s)
 BUDGET=${KIT_SECONDS:-570}
 WHEELS=${KIT_WHEELS:-bench/gpu_kit/wheels}
 WORK=${KIT_WORK:-/tmp/finetune-gpukit}
-STEPS=${KIT_STEPS:-defaults throughput}
+STEPS=${KIT_STEPS:-defaults terms throughput}
 mkdir -p "$OUT" "$WORK"
 export HF_HOME="$WORK/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" TRITON_CACHE_DIR="$WORK/triton" MPLCONFIGDIR="$WORK/mpl" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor"
@@ -78,6 +83,14 @@ if wanted defaults; then
   timeout --kill-after 10 $(( cap + 40 )) python bench/gpu_kit/defaults.py --out "$OUT" --work "$WORK/defaults" \
     --deadline $(( $(date +%s) + cap )) ${KIT_DEFAULTS_ARGS:-} || echo "defaults: exit $? (see defaults.md)"
   rm -rf "$WORK/defaults"
+fi
+
+if wanted terms; then
+  step "speed terms: host issue and GPU kernels per decoder layer, beside the plan"
+  cap=${KIT_TERMS_SECONDS:-150}; (( $(left) - 10 < cap )) && cap=$(( $(left) - 10 ))
+  timeout --kill-after 10 $(( cap + 60 )) python bench/gpu_kit/speed_terms.py --out "$OUT" --work "$WORK/terms" \
+    --deadline $(( $(date +%s) + cap )) || echo "speed terms: exit $? (see speed_terms.md)"
+  rm -rf "$WORK/terms"
 fi
 
 if wanted throughput; then

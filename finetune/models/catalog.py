@@ -184,6 +184,13 @@ _CATALOG: tuple[ModelSpec, ...] = (
         source="mistralai/Mistral-7B-v0.1/config.json",
     ),
     ModelSpec(
+        name="qwen2.5-1.5b", hf_id="Qwen/Qwen2.5-1.5B", model_type="qwen2", num_layers=28,
+        hidden_size=1536, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab_size=151936,
+        tie_word_embeddings=True, max_position_embeddings=131072, attention_bias=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6,
+        source="Qwen/Qwen2.5-1.5B/config.json",
+    ),
+    ModelSpec(
         name="qwen2.5-7b", hf_id="Qwen/Qwen2.5-7B", model_type="qwen2", num_layers=28,
         hidden_size=3584, num_heads=28, num_kv_heads=4, intermediate_size=18944, vocab_size=152064,
         tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,

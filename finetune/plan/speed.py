@@ -1,7 +1,7 @@
 """Tokens per second of a workload: a per-update cost fitted to measured runs, plus the
 communication that compute cannot hide, plus offload copies and the host optimizer step.
 
-One GPU's time per micro-batch is the larger of two clocks that run side by side:
+One GPU's time per micro-batch combines two clocks that run side by side:
 - the host issuing kernels (eager PyTorch: Python and launch overhead per decoder layer, per
   PEFT-adapted linear and per bitsandbytes dequantization; regional compilation shrinks it), and
 - the GPU executing them, a sum of terms that carry from one GPU to another:
@@ -10,8 +10,12 @@ One GPU's time per micro-batch is the larger of two clocks that run side by side
   memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
   loss over the vocabulary, 4-bit dequantization) at the fitted fraction of the GPU's datasheet
   memory bandwidth, and a fixed GPU time per kernel launched (launch and tail).
-Small shapes are bound by the host (a 1B LoRA at seq 512 spends the same time per update on an
-H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The optimizer step follows, memory-bound.
+Small shapes are bound by the host (a 1B LoRA at seq 512 spends about the same time per update on
+an H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The two overlap
+only in part: within a layer the host runs ahead while a large matmul executes and the GPU idles
+through a run of small kernels, so a micro-batch takes more than the larger clock, and most where
+the two are close: (Hᵖ + Gᵖ)^(1/p), with the exponent p fitted (p → ∞ is perfect overlap, p = 1 none).
+The optimizer step follows, memory-bound.
 The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
 plan/calibration/measured/*.csv and to published runs of another trainer (plan/calibration/speed_*.csv,
 fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
@@ -53,6 +57,7 @@ class Calibration:
     memory_efficiency: float  # achieved fraction of the datasheet bandwidth in the memory-bound kernels
     kernel_gpu_s: float  # GPU time per kernel launched that neither its FLOPs nor its bytes explain
     attention_speed: float  # flash attention's FLOP rate ÷ the matmuls' (head size ≥ 128)
+    overlap_exponent: float  # p in (Hᵖ + Gᵖ)^(1/p): how far the host's and the GPU's clocks overlap
 
     def efficiency(self, chip: str) -> float:
         """The chip's fitted matmul efficiency; an unmeasured chip takes the measured chips' geometric mean."""
@@ -65,13 +70,13 @@ class Calibration:
 # Fitted by `python bench/speed_fit.py --fit` (bench/RESULTS.md, *Speed model*) to finetune's runs on
 # one H100 80GB (plan/calibration/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
 # peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
-# (plan/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 8 coefficients for 16 numbers
+# (plan/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 9 coefficients for 16 numbers
 # (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
 # fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
-    layer_issue_s=6.242e-03, adapter_issue_s=3.662e-04, dequant_issue_s=4.366e-04,
-    matmul_efficiency={"A100": 0.947, "H100": 0.807}, memory_efficiency=0.809,
-    kernel_gpu_s=1.144e-05, attention_speed=0.776,
+    layer_issue_s=5.928e-03, adapter_issue_s=3.917e-04, dequant_issue_s=4.411e-04,
+    matmul_efficiency={"A100": 0.950, "H100": 0.823}, memory_efficiency=0.803,
+    kernel_gpu_s=1.147e-05, attention_speed=0.778, overlap_exponent=3.30,
 )
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
@@ -140,7 +145,7 @@ class Collective:
 @dataclass(frozen=True)
 class Speed:
     tokens_per_second: float  # whole cluster
-    compute_s_per_token: float  # per GPU: the larger of the host's and the GPU's clock, and the optimizer step
+    compute_s_per_token: float  # per GPU: the host's and the GPU's clocks combined, and the optimizer step
     comm_s_per_token: float  # per GPU, all collectives, before overlap
     exposed_comm_s_per_token: float  # per GPU, the part compute does not hide
     offload_s_per_token: float  # per GPU: PCIe copies and the host optimizer step
@@ -322,18 +327,23 @@ def loss_issue_seconds(w: Workload, c: Calibration) -> float:
     return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)
 
 
-def gpu_seconds(w: Workload, c: Calibration) -> float:
-    """GPU time of one micro-batch: matmul FLOPs at the chip's fitted share of its peak, attention
-    FLOPs by kernel and head size, memory-bound bytes at the fitted share of its bandwidth, and a
-    fixed time per kernel launched."""
+def gpu_terms(w: Workload, c: Calibration) -> dict[str, float]:
+    """GPU seconds of one micro-batch by term: matmul FLOPs at the chip's fitted share of its peak,
+    attention FLOPs by kernel and head size, memory-bound bytes at the fitted share of its
+    bandwidth, and a fixed time per kernel launched (bench/gpu_kit/speed_terms.py measures each)."""
     tokens = w.tokens_per_micro_batch
     rate = w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu.chip) * (FP32_SPEED if w.precision.fp32 else 1.0)
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
     matmul = forward + backward - attention
-    seconds = tokens * (matmul / rate + attention / (rate * attention_speed(w, c)))
-    seconds += traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency)
-    return seconds + kernel_launches(w) * c.kernel_gpu_s
+    return {"matmul": tokens * matmul / rate, "attention": tokens * attention / (rate * attention_speed(w, c)),
+            "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
+            "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+
+
+def gpu_seconds(w: Workload, c: Calibration) -> float:
+    """GPU time of one micro-batch: the sum of its terms."""
+    return sum(gpu_terms(w, c).values())
 
 
 def attention_speed(w: Workload, c: Calibration) -> float:
@@ -355,6 +365,15 @@ def optimizer_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
     return share * moved / (memory_bytes_per_s(w) * c.memory_efficiency)
 
 
+def micro_batch_seconds(issue: float, gpu: float, c: Calibration) -> float:
+    """One micro-batch: the host's issue time and the GPU's time, overlapping in part, (Hᵖ + Gᵖ)^(1/p)."""
+    longer = max(issue, gpu)
+    if not longer:
+        return 0.0
+    p = c.overlap_exponent
+    return longer * ((issue / longer) ** p + (gpu / longer) ** p) ** (1 / p)
+
+
 def memory_bytes_per_s(w: Workload) -> float:
     """The GPU's memory bandwidth, bytes/s (datasheet; a GPU without one: an H100's per peak TFLOP/s)."""
     return (w.gpu.memory_tb_per_s or H100_TB_PER_S * w.gpu.bf16_tflops / H100_TFLOPS) * 1e12
@@ -366,7 +385,7 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
     issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration) / w.model_parallel
     forward_share = training_flops(w)[0] / sum(training_flops(w))
     forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
-    compute = w.gradient_accumulation_steps * max(issue, gpu) + optimizer_seconds(w, calibration)
+    compute = w.gradient_accumulation_steps * micro_batch_seconds(issue, gpu, calibration) + optimizer_seconds(w, calibration)
 
     items = collectives(w)
     gb_per_s, latency_s = link(w)

@@ -453,19 +453,20 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
     assert len(clock.seconds) == 2 and [r["num_tokens"] for r in trainer.state.log_history if "loss" in r] == [64, 128]
 
 
-def defaults_rows(tmp_path: Path, *flags: str) -> list[dict]:
-    """bench/gpu_kit/defaults.py run with `flags` (in its own process: it sets the allocator before torch loads)."""
-    done = subprocess.run([sys.executable, str(KIT / "defaults.py"), "--out", str(tmp_path / "out"), "--work",
+def kit_rows(tmp_path: Path, script: str, *flags: str) -> list[dict]:
+    """bench/gpu_kit/<script>.py run with `flags` (in its own process: it sets the allocator before
+    torch loads), its <script>.csv read back."""
+    done = subprocess.run([sys.executable, str(KIT / f"{script}.py"), "--out", str(tmp_path / "out"), "--work",
                            str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return list(csv.DictReader((tmp_path / "out/defaults.csv").open()))
+    return list(csv.DictReader((tmp_path / f"out/{script}.csv").open()))
 
 
 def test_defaults_dry_run_plans_every_case_for_the_gpu_lent_now(tmp_path):
     """The cases in their order (the model's own loss and the chunked loss, fused and foreach AdamW,
     then Liger), each planned for the H200 (no GPU here): the chunked loss and Liger plan less than
     the model's own loss, and foreach AdamW a step scratch that fused has not."""
-    rows = defaults_rows(tmp_path, "--dry-run")
+    rows = kit_rows(tmp_path, "defaults", "--dry-run")
     assert "on H200" in (tmp_path / "out/defaults.md").read_text().splitlines()[0]
     assert [(r["shape"], r["method"], r["variant"]) for r in rows][:4] == [
         ("mistral-7b", "lora", "transformers"), ("mistral-7b", "lora", "finetune-chunked"),
@@ -485,7 +486,7 @@ def test_defaults_run_on_cpu_through_the_trainers_own_pieces(tmp_path):
     chunked loss gives the model's own loss and LoRA gradients (LoRA and QLoRA), fused and foreach
     AdamW the same loss, Liger's cases are skipped with the run's one line, and the allocator says
     there is no CUDA device. (Peak memory is CUDA's only: not measured here.)"""
-    rows = defaults_rows(tmp_path, "--shapes", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--precision", "fp32",
+    rows = kit_rows(tmp_path, "defaults", "--shapes", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--precision", "fp32",
                          "--full-precision", "fp32", "--steps", "2")
     by_case = {(r["method"], r["variant"]): r for r in rows}
     assert by_case[("allocator", "set before torch loads (finetune's entry)")]["notes"].startswith("no CUDA device")
@@ -497,3 +498,51 @@ def test_defaults_run_on_cpu_through_the_trainers_own_pieces(tmp_path):
     fused, foreach = by_case[("full", "fused")], by_case[("full", "foreach")]
     assert fused["status"] == foreach["status"] == "ok" and fused["loss"] == foreach["loss"]
     assert float(fused["planned_step_gib"]) == 0 < float(foreach["planned_step_gib"])
+
+
+def test_speed_terms_dry_run_plans_each_term_per_layer_and_for_the_rest(tmp_path):
+    """The shapes the speed model misses most come first, then the two anchors; every case has a
+    per-layer and a rest row planned for the H200, the per-layer kernels counted, LoRA issuing more
+    per layer than full fine-tuning (its adapters), the rest launching no decoder-layer kernels."""
+    rows = kit_rows(tmp_path, "speed_terms", "--dry-run")
+    assert "on H200" in (tmp_path / "out/speed_terms.md").read_text().splitlines()[0]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    assert cases[0].startswith("qwen2.5-1.5b lora") and cases[-1] == "mistral-7b lora s4096 b2 ckpt" and len(cases) == 6
+    assert [r["part"] for r in rows] == ["per layer", "rest"] * 6 and {r["status"] for r in rows} == {"dry run"}
+    layer = {r["case"]: r for r in rows if r["part"] == "per layer"}
+    for r in layer.values():
+        assert float(r["planned_kernels"]) > 0 and float(r["planned_busy_ms"]) > float(r["planned_matmul_ms"]) > 0
+    assert float(layer["qwen2.5-1.5b lora s2048 b1"]["planned_host_ms"]) > float(layer["qwen2.5-1.5b full s2048 b1"]["planned_host_ms"])
+    assert float(layer["qwen2.5-7b qlora s2048 b2"]["planned_dequant_ms"]) > 0
+    assert all(float(r["planned_kernels"]) == 0 for r in rows if r["part"] == "rest")
+
+
+def test_speed_terms_run_on_cpu_and_take_the_cuts_difference(tmp_path):
+    """The same code on this CPU (tiny shape): both cuts train, the per-layer and rest rows hold the
+    host and wall clocks, the GPU's columns stay empty without CUDA."""
+    rows = kit_rows(tmp_path, "speed_terms", "--cases", "tiny:lora:32:2,tiny:full:32:1", "--warmup", "1", "--steps", "2")
+    assert [(r["case"], r["part"], r["status"]) for r in rows] == [
+        ("tiny lora s32 b2", "per layer", "ok"), ("tiny lora s32 b2", "rest", "ok"),
+        ("tiny full s32 b1", "per layer", "ok"), ("tiny full s32 b1", "rest", "ok")]
+    for r in rows:
+        assert r["measured_host_ms"] and r["measured_wall_ms"] and r["planned_host_ms"] and not r["measured_busy_ms"]
+    assert all(float(r["measured_host_ms"]) > 0 for r in rows if r["part"] == "per layer")
+
+
+def test_speed_terms_sort_kernels_into_the_models_terms(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the import sets the allocator: undone after the test
+        monkeypatch.delenv(name, raising=False)
+    import speed_terms
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "dur": 300},
+        {"cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "dur": 100},
+        {"cat": "kernel", "name": "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "dur": 200},
+        {"cat": "kernel", "name": "void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(...)", "dur": 40},
+        {"cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<4, ...>", "dur": 60},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 999},
+    ]}
+    times = speed_terms.kernel_times(trace, micro_batches=2)
+    assert times == pytest.approx({"matmul_ms": 0.2, "attention_ms": 0.1, "dequant_ms": 0.02, "other_ms": 0.03,
+                                   "busy_ms": 0.35, "kernels": 2.5})
+    assert speed_terms.parts({"host_ms": 30.0}, {"host_ms": 14.0}) == {"per layer": {"host_ms": 8.0}, "rest": {"host_ms": -2.0}}

@@ -303,7 +303,7 @@ SIMPLER = {"single": 0, "ddp": 1, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 2}
 
 
 @pytest.mark.parametrize("model, method, decided_by", [
-    ("llama-7b", "auto", "the method that changes the model least (lora before qlora)"),
+    ("llama-3.1-8b", "auto", "the method that changes the model least (lora before qlora)"),
     ("llama-7b", "lora", "the simpler strategy (DDP before FSDP2)"),
 ])
 def test_ties_within_the_fastest_plans_range_go_to_less_change_then_simpler_and_the_output_says_which(model, method, decided_by):

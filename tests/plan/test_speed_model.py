@@ -19,7 +19,15 @@ from finetune.config.switches import chunk_tokens
 from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.plan.memory import estimate
-from finetune.plan.speed import CALIBRATION, CHUNK_KERNELS, estimate_speed, gpu_seconds, issue_seconds, memory_bytes_per_s
+from finetune.plan.speed import (
+    CALIBRATION,
+    CHUNK_KERNELS,
+    estimate_speed,
+    gpu_seconds,
+    issue_seconds,
+    memory_bytes_per_s,
+    micro_batch_seconds,
+)
 from finetune.plan.speed_range import LIKELY_Z, MEASURED, SPREAD, UNMEASURED_SPREAD
 from finetune.plan.traffic import LOSS_BYTES, layer_kernels, traffic
 from finetune.plan.workload import Workload
@@ -117,6 +125,21 @@ def test_small_shapes_are_launch_bound_and_longer_rows_amortise_it():
     assert large.tokens_per_second > 5 * small.tokens_per_second
     # attention grows with the sequence: at a fixed token count, longer rows are slower
     assert tokens_per_second(seq_len=16384, micro_batch_size=1) < tokens_per_second(seq_len=4096, micro_batch_size=4)
+
+
+def test_host_and_gpu_clocks_overlap_in_part():
+    """Both clocks count, the shorter one least: the 1B full rows measured at seq 512 and 2048 took
+    99 and 121 ms per update, though the host's issue time is the larger clock in both."""
+    p = CALIBRATION.overlap_exponent
+    assert speed_fit.FLOOR["overlap_exponent"] < p < 10
+    equal_clocks = micro_batch_seconds(0.1, 0.1, CALIBRATION) / 0.1
+    assert equal_clocks == pytest.approx(2 ** (1 / p)) and 1.05 < equal_clocks < 2
+    assert micro_batch_seconds(0.1, 0.01, CALIBRATION) == pytest.approx(0.1, rel=1e-3)
+    assert micro_batch_seconds(0.0, 0.3, CALIBRATION) == 0.3 and micro_batch_seconds(0.0, 0.0, CALIBRATION) == 0.0
+    short, long = (one_gpu(method="full", precision="bf16-mixed", seq_len=s) for s in (512, 2048))
+    assert estimate_speed(short).launch_bound and estimate_speed(long).launch_bound
+    per_update = [w.seq_len / estimate_speed(w).tokens_per_second for w in (short, long)]
+    assert per_update[0] * 1.05 < per_update[1] < per_update[0] * 2
 
 
 def test_compile_helps_launch_bound_shapes_and_liger_gpu_bound_ones():
