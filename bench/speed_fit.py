@@ -230,6 +230,11 @@ def measured_families(rows: list[dict]) -> dict[str, tuple[str, ...]]:
     return {chip: tuple(sorted(families)) for chip, families in sorted(found.items())}
 
 
+def measured_architectures(rows: list[dict]) -> tuple[str, ...]:
+    """The model code (transformers' model_type) of the fitted rows."""
+    return tuple(sorted({workload_of(r).model.model_type for r in rows if fitted(r)}))
+
+
 def percent(log_error: float | None) -> str:
     return "" if log_error is None else f"{math.exp(log_error) - 1:+.0%}"
 
@@ -284,14 +289,14 @@ def reserved_slack(rows: list[dict]) -> tuple[float, list[dict]]:
     return slack, measured
 
 
-def calibration_source(calibration: Calibration, families: dict, spread: dict) -> str:
+def calibration_source(calibration: Calibration, families: dict, spread: dict, architectures: tuple[str, ...]) -> str:
     efficiency = ", ".join(f'"{k}": {v:.3f}' for k, v in calibration.matmul_efficiency.items())
     return (f"CALIBRATION = Calibration(\n    layer_issue_s={calibration.layer_issue_s:.3e}, "
             f"adapter_issue_s={calibration.adapter_issue_s:.3e}, dequant_issue_s={calibration.dequant_issue_s:.3e},\n"
             f"    matmul_efficiency={{{efficiency}}}, memory_efficiency={calibration.memory_efficiency:.3f},\n"
             f"    kernel_gpu_s={calibration.kernel_gpu_s:.3e}, attention_speed={calibration.attention_speed:.3f}, "
             f"overlap_exponent={calibration.overlap_exponent:.2f},\n)\n"
-            f"MEASURED = {families!r}\nSPREAD = {spread!r}")
+            f"MEASURED = {families!r}\nSPREAD = {spread!r}\nMEASURED_ARCHITECTURES = {architectures!r}")
 
 
 def all_rows(paths: list[Path], published: Path | None = PUBLISHED) -> list[dict]:
@@ -313,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n_params} coefficients fitted to {n_fitted} numbers ({sum(fitted(r) for r in rows)} rows, "
           f"{len(liger_pairs(rows))} Liger ratios), each with a weak prior (PRIOR)\n")
     if args.fit:
-        print(calibration_source(calibration, measured_families(rows), spreads(cv) if cv else {}) + "\n")
+        print(calibration_source(calibration, measured_families(rows), spreads(cv) if cv else {},
+                                 measured_architectures(rows)) + "\n")
     print("\n".join(table(rows, calibration, cv)))
     if cv:
         print("\nOut-of-sample error by chip and shape family (RMS of the log errors, as ± %):")

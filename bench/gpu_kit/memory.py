@@ -41,7 +41,7 @@ from finetune.plan import gpus as gpu_catalog  # noqa: E402
 from finetune.plan.memory import CUDA_CONTEXT_GIB  # noqa: E402
 from finetune.plan.params import count_params  # noqa: E402
 
-MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-7b", "llama-3.1-8b")
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-7b", "llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-7b")
 METHODS = ("full", "lora", "qlora")
 PRECISION = {"full": "bf16-mixed", "lora": "bf16-true", "qlora": "bf16-true"}  # the planner's defaults on bf16 GPUs
 # (seq len, checkpointing, micro batch) in the order rows are worth measuring: the base case of

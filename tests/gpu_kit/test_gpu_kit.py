@@ -76,7 +76,7 @@ def test_budget_counts_the_tree_and_the_wheels(tmp_path):
 
 def test_grid_covers_every_combination_with_base_cases_first():
     rows = memory.grid()
-    assert len(rows) == len(set(rows)) == 4 * 3 * 2 * 2 * 2
+    assert len(rows) == len(set(rows)) == len(memory.MODELS) * 3 * 2 * 2 * 2
     first = rows[: len(memory.MODELS) * len(memory.METHODS)]
     assert {(r.model, r.method) for r in first} == {(m, k) for m in memory.MODELS for k in memory.METHODS}
     assert {(r.seq_len, r.gradient_checkpointing, r.micro_batch_size) for r in first} == {(512, False, 1)}
@@ -96,6 +96,9 @@ def test_rows_the_speed_fit_is_least_sure_of_come_first():
     unsure = [("llama-7b", "lora", 512), ("llama-3.2-1b", "qlora", 2048), ("llama-3.2-3b", "qlora", 512)]
     sure = [("llama-3.2-1b", "lora", 512), ("llama-3.2-3b", "lora", 2048), ("llama-3.1-8b", "qlora", 2048)]
     assert max(position(*row) for row in unsure) < min(position(*row) for row in sure)
+    # model code no run behind the fit has trained (Qwen2) leads, even in a family measured on the chip
+    qwen_first = min(position("qwen2.5-1.5b", method, seq) for method in ("lora", "qlora") for seq in (512, 2048))
+    assert qwen_first < min(position(*row) for row in unsure)
     assert memory.least_sure_first(rows, "H200") == ordered  # an H200 is an H100 chip
 
 

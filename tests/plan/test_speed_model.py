@@ -28,7 +28,7 @@ from finetune.plan.speed import (
     memory_bytes_per_s,
     micro_batch_seconds,
 )
-from finetune.plan.speed_range import LIKELY_Z, MEASURED, SPREAD, UNMEASURED_SPREAD
+from finetune.plan.speed_range import LIKELY_Z, MEASURED, MEASURED_ARCHITECTURES, SPREAD, UNMEASURED_SPREAD
 from finetune.plan.traffic import LOSS_BYTES, layer_kernels, traffic
 from finetune.plan.workload import Workload
 
@@ -101,6 +101,7 @@ def test_the_committed_shape_families_are_the_measured_ones():
     assert {chip: set(families) for chip, families in MEASURED.items()} == \
         {chip: set(families) for chip, families in speed_fit.measured_families(ROWS).items()}
     assert set(MEASURED) == set(CALIBRATION.matmul_efficiency)
+    assert MEASURED_ARCHITECTURES == speed_fit.measured_architectures(ROWS)
 
 
 @pytest.mark.slow
@@ -196,7 +197,11 @@ def test_every_plan_has_a_range_and_basis_that_widen_as_it_rests_on_less():
     other_chip = estimate_speed(one_gpu(gpu=gpus.get("L40S")))
     two_gpus = estimate_speed(one_gpu(gpus_per_node=2, strategy="ddp"))
     compiled = estimate_speed(one_gpu(compile=True))
+    qwen = estimate_speed(one_gpu(model=catalog.get("qwen2.5-1.5b")))  # the same shape family, other model code
     assert measured.calibrated and measured.basis == "measured on H100 (lora <2B seq ≤1k)"
+    assert not qwen.calibrated and qwen.basis == "measured on H100 (lora <2B seq ≤1k); qwen2 model code modelled, not measured"
+    assert qwen.high / qwen.tokens_per_second == pytest.approx(
+        math.exp(LIKELY_Z * math.hypot(SPREAD["measured"], UNMEASURED_SPREAD["model code"])))
     assert not other_shape.calibrated and "from other shapes (no lora <2B seq ≥8k run)" in other_shape.basis
     assert not other_chip.calibrated and other_chip.basis.startswith("extrapolated: no runs on L40S")
     assert not two_gpus.calibrated and "communication modelled, not measured" in two_gpus.basis
