@@ -105,10 +105,15 @@ def cases(shapes: tuple[str, ...]) -> list[Case]:
 
 
 def model_dir(shape: str, args: argparse.Namespace, weights: bool) -> Path:
-    """The 2-layer cut's folder in --work: config.json (a dry run plans from it), and with `weights`
-    a seeded random init in bf16, built on the GPU when there is one."""
-    spec = replace(catalog.get(shape), num_layers=LAYERS)
-    folder = args.work / f"{shape}-{LAYERS}-layers"
+    """The 2-layer cut's folder in --work (`cut`)."""
+    return cut(shape, LAYERS, args.work, weights)
+
+
+def cut(shape: str, layers: int, work: Path, weights: bool) -> Path:
+    """A `layers`-deep cut of the catalog shape, in `work`: config.json (a dry run plans from it),
+    and with `weights` a seeded random init in bf16, built on the GPU when there is one."""
+    spec = replace(catalog.get(shape), num_layers=layers)
+    folder = work / f"{shape}-{layers}-layers"
     if weights:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         loading.materialize_random_init(spec, folder, seed=0, dtype=torch.bfloat16, device=device)

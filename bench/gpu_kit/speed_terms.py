@@ -35,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -48,12 +48,11 @@ from finetune.cli import use_expandable_segments  # noqa: E402
 use_expandable_segments()  # as finetune's entry does, before torch loads
 
 import torch  # noqa: E402
-from defaults import gpu_of, release, synchronize  # noqa: E402
+from defaults import cut, gpu_of, release, synchronize  # noqa: E402
 
 from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
 from finetune.library_logs import quiet_libraries, quiet_transformers_bars  # noqa: E402
-from finetune.models import catalog  # noqa: E402
 from finetune.plan.speed import (  # noqa: E402
     CALIBRATION,
     dequantization_seconds,
@@ -103,20 +102,6 @@ class Case:
                            micro_batch_size=self.micro_batch_size, gradient_checkpointing=self.checkpointing,
                            precision="bf16-mixed" if self.method == "full" else "bf16-true", lora_targets="all-linear",
                            lora_r=16, liger=False, output_dir=str(work / "out"))
-
-
-def cut(shape: str, layers: int, work: Path, weights: bool) -> Path:
-    """A `layers`-deep cut of the catalog shape in `work`: config.json, and with `weights` a seeded
-    random init in bf16, built on the GPU when there is one."""
-    spec = replace(catalog.get(shape), num_layers=layers)
-    folder = work / f"{shape}-{layers}-layers"
-    if weights:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        loading.materialize_random_init(spec, folder, seed=0, dtype=torch.bfloat16, device=device)
-    elif not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
-    return folder
 
 
 def planned(run, gpu) -> dict[str, float]:
