@@ -346,16 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     quiet_transformers_bars()
     gpu = gpu_of(args)
+    header = (f"finetune's defaults beside their alternatives, 2-layer cuts of full-width shapes: "
+              f"{provenance('defaults.py', argv)}. Planned: what the planner plans for each case's run on {gpu.name}.")
+    results = run_all(args, gpu, header)
+    print(f"wrote {args.out / 'defaults.md'} and {args.out / 'defaults.csv'}")
+    return 1 if any(r["status"].startswith(("failed", "exit")) for r in results) else 0
+
+
+def provenance(script: str, argv: list[str] | None) -> str:
+    """Where, when, with which versions and by which command a kit script ran: its results' header."""
     versions = ", ".join(f"{name} {metadata.version(name)}" for name in ("torch", "transformers", "peft", "bitsandbytes")
                          if _installed(name))
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/gpu_kit/defaults.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"finetune's defaults beside their alternatives, 2-layer cuts of full-width shapes: {where}; {started}; "
-              f"{versions}; `{command}`. Planned: what the planner plans for each case's run on {gpu.name}.")
-    results = run_all(args, gpu, header)
-    print(f"wrote {args.out / 'defaults.md'} and {args.out / 'defaults.csv'}")
-    return 1 if any(r["status"].startswith(("failed", "exit")) for r in results) else 0
+    command = f"python bench/gpu_kit/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    return f"{where}; {started}; {versions}; `{command}`"
 
 
 def _installed(name: str) -> bool:

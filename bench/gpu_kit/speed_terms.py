@@ -36,8 +36,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +46,7 @@ from finetune.cli import use_expandable_segments  # noqa: E402
 use_expandable_segments()  # as finetune's entry does, before torch loads
 
 import torch  # noqa: E402
-from defaults import cut, gpu_of, release, synchronize  # noqa: E402
+from defaults import cut, gpu_of, provenance, release, synchronize  # noqa: E402
 
 from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
@@ -260,25 +258,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def installed(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
     quiet_transformers_bars()
     gpu = gpu_of(args)
-    versions = ", ".join(f"{name} {version}" for name in ("torch", "transformers", "peft", "bitsandbytes")
-                         if (version := installed(name)))
-    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/gpu_kit/speed_terms.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"Where a micro-batch's time goes, {CUTS[0]}- and {CUTS[1]}-layer cuts of full-width shapes: {where}; "
-              f"{started}; {versions}; `{command}`. Planned: the planner's terms for each cut on {gpu.name}.")
+    header = (f"Where a micro-batch's time goes, {CUTS[0]}- and {CUTS[1]}-layer cuts of full-width shapes: "
+              f"{provenance('speed_terms.py', argv)}. Planned: the planner's terms for each cut on {gpu.name}.")
     results = run_all(args, gpu, header)
     print(f"wrote {args.out / 'speed_terms.md'} and {args.out / 'speed_terms.csv'}")
     return 1 if any(r["status"].startswith("failed") for r in results) else 0
