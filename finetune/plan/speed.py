@@ -74,10 +74,17 @@ class Calibration:
 # (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
 # fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
-    layer_issue_s=5.928e-03, adapter_issue_s=3.917e-04, dequant_issue_s=4.411e-04,
+    layer_issue_s=5.929e-03, adapter_issue_s=3.917e-04, dequant_issue_s=4.411e-04,
     matmul_efficiency={"A100": 0.950, "H100": 0.823}, memory_efficiency=0.803,
-    kernel_gpu_s=1.147e-05, attention_speed=0.778, overlap_exponent=3.30,
+    kernel_gpu_s=1.147e-05, attention_speed=0.778, overlap_exponent=3.31,
 )
+# The host's time to issue one decoder layer of each model code, relative to Llama's (whose runs,
+# with Mistral's, the fit rests on): Python and dispatcher work, the same on any host, measured by
+# `python bench/layer_issue.py` on width-64 cuts on a CPU (bench/RESULTS.md, *Layer issue by model
+# code*; run to run within 0.08). The MoE cuts run transformers' grouped-matmul experts, as on a GPU, but
+# keep at most 8 experts: whether the routing's host work grows with 64–128 is not measured.
+LAYER_ISSUE_RELATIVE = {"llama": 1.0, "mistral": 1.01, "qwen2": 1.04, "qwen3": 1.19, "gemma3": 1.42, "mixtral": 1.53,
+                        "qwen3_moe": 1.76, "gpt_oss": 2.06, "olmoe": 1.71, "deepseek_v2": 2.18}
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
@@ -300,13 +307,15 @@ def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: f
 
 
 def issue_seconds(w: Workload, c: Calibration) -> float:
-    """Host time to issue one micro-batch's kernels: per decoder layer, per adapted linear (once
-    more for the layers whose forward checkpointing recomputes), per 4-bit dequantization."""
+    """Host time to issue one micro-batch's kernels: per decoder layer (by its model code), per
+    adapted linear (once more for the layers whose forward checkpointing recomputes), per 4-bit
+    dequantization."""
     layers = w.model.num_layers
     targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
     adapted = 0 if targets is None else sum(n * len(params.adapted(linears, targets)) for n, linears in params.layer_kinds(w.model))
     passes = 1 + FORWARD_SHARE * w.recompute_share
-    per_pass = (layers * c.layer_issue_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
+    layer_s = c.layer_issue_s * LAYER_ISSUE_RELATIVE.get(w.model.model_type, 1.0)
+    per_pass = (layers * layer_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
     return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
 
 

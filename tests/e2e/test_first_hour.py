@@ -40,14 +40,17 @@ def newest_logged_step(output_dir: Path) -> int:
 @pytest.mark.slow
 def test_ctrl_c_says_one_line_with_the_resume_hint_and_resume_logs_each_step_once(tmp_path):
     command = [sys.executable, "-m", "finetune", *QUICK]
-    process = subprocess.Popen([*command, "--max-steps", "1000"], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 400
-    while newest_logged_step(tmp_path / "out") < 4 and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 130, output[-3000:]
+    log = tmp_path / "run.log"  # a file, not a pipe: a progress bar nobody reads cannot fill it and stall the run
+    with log.open("w") as sink:
+        process = subprocess.Popen([*command, "--max-steps", "1000"], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 400
+        while newest_logged_step(tmp_path / "out") < 4 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        seen = newest_logged_step(tmp_path / "out")
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    output = log.read_text()
+    assert process.returncode == 130, f"step {seen} seen before Ctrl-C\n" + output[-3000:]
     assert "Traceback" not in output and output.count("interrupted (Ctrl-C)") == 1, output[-3000:]
     saved = re.search(r"Continue from (\S+) by running the same command with --resume auto", output)
     assert saved, output[-3000:]

@@ -22,6 +22,7 @@ from finetune.plan.memory import estimate
 from finetune.plan.speed import (
     CALIBRATION,
     CHUNK_KERNELS,
+    LAYER_ISSUE_RELATIVE,
     estimate_speed,
     gpu_seconds,
     issue_seconds,
@@ -141,6 +142,18 @@ def test_host_and_gpu_clocks_overlap_in_part():
     assert estimate_speed(short).launch_bound and estimate_speed(long).launch_bound
     per_update = [w.seq_len / estimate_speed(w).tokens_per_second for w in (short, long)]
     assert per_update[0] * 1.05 < per_update[1] < per_update[0] * 2
+
+
+def test_each_model_codes_layer_costs_the_host_what_the_bench_measured():
+    """bench/layer_issue.py measures every model type of the catalog against Llama's; a layer of Qwen3
+    code costs the host that ratio of a Llama layer of the same shape."""
+    measured = {spec.model_type for spec in catalog.REAL_MODELS.values()}
+    assert measured == set(LAYER_ISSUE_RELATIVE) and LAYER_ISSUE_RELATIVE["llama"] == 1.0
+    llama = one_gpu(method="full", precision="bf16-mixed")
+    qwen3 = replace(llama, model=replace(llama.model, model_type="qwen3"))
+    layers = llama.model.num_layers * CALIBRATION.layer_issue_s
+    assert issue_seconds(qwen3, CALIBRATION) - issue_seconds(llama, CALIBRATION) == pytest.approx(
+        layers * (LAYER_ISSUE_RELATIVE["qwen3"] - 1))
 
 
 def test_compile_helps_launch_bound_shapes_and_liger_gpu_bound_ones():

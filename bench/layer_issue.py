@@ -1,0 +1,92 @@
+"""Host cost of one decoder layer by model code, relative to Llama's: eager forward and backward of
+tiny-width cuts on this CPU.
+
+    python bench/layer_issue.py                 # every model type of the catalog, 5 rounds (~25 s)
+    python bench/layer_issue.py --rounds 7      # more rounds (the median counts): bench/RESULTS.md's
+
+The speed model's host clock (finetune/plan/speed.py) charges each decoder layer the time eager
+transformers takes to issue its kernels, fitted on runs of Llama and Mistral model code only. Other
+model code issues other work per layer: Qwen2's biases, Qwen3's and Gemma 3's extra norms, an MoE
+router and its experts (transformers' grouped matmuls, on a CPU as on a GPU; the cut keeps at most
+8). What a layer costs the host is Python and the dispatcher, the same on any machine, so it is
+measured here, where the tensors are so small that executing the kernels costs next to nothing: each
+catalog model type cut to width 64 (families.shrink: the same classes, biases, norms and head
+ratio), built at 2 and 8 layers, every weight trained (LoRA's adapters are counted apart, per
+adapted linear), one row of 16 tokens, the median of --steps forward and backward passes after a
+warm-up; a sixth of the cuts' difference is one layer. The model types take turns, round by round,
+so a machine that slows down mid-run slows them all. Prints each model type's per-layer time and its
+ratio to Llama's: `LAYER_ISSUE_RELATIVE` in finetune/plan/speed.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetune.library_logs import quiet_libraries
+from finetune.models import catalog, families
+
+CUTS = (2, 8)
+WIDTH, TOKENS, VOCAB = 64, 16, 256
+
+
+def model_types() -> dict[str, str]:
+    """One catalog model per model type (the first listed), the CPU demos aside."""
+    found = {}
+    for name, spec in catalog.REAL_MODELS.items():
+        found.setdefault(spec.model_type, name)
+    return found
+
+
+def cut(name: str, layers: int) -> torch.nn.Module:
+    config = families.shrink(catalog.get(name).to_hf_config_dict(), layers=layers, hidden=WIDTH,
+                             overrides={"vocab_size": VOCAB})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+
+
+def seconds_per_pass(model: torch.nn.Module, steps: int, warmup: int = 3) -> float:
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(warmup + steps):
+        started = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[warmup:])
+
+
+def per_layer_ms(cuts: dict[str, tuple[torch.nn.Module, torch.nn.Module]], steps: int, rounds: int) -> dict[str, float]:
+    """Per model type, the median over rounds of the cuts' difference per layer, ms; types take turns."""
+    estimates = {t: [] for t in cuts}
+    for _ in range(rounds):
+        for t, (shallow, deep) in cuts.items():
+            difference = seconds_per_pass(deep, steps) - seconds_per_pass(shallow, steps)
+            estimates[t].append(1000 * difference / (CUTS[1] - CUTS[0]))
+    return {t: statistics.median(values) for t, values in estimates.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="passes per measurement (the median counts)")
+    parser.add_argument("--rounds", type=int, default=5, help="measurements per model type, taking turns")
+    args = parser.parse_args(argv)
+    quiet_libraries()
+    torch.set_num_threads(1)
+    types = model_types()
+    cuts = {t: (cut(name, CUTS[0]), cut(name, CUTS[1])) for t, name in types.items()}
+    seconds_per_pass(cuts["llama"][1], args.steps)  # the first passes of the process pay one-off costs
+    ms = per_layer_ms(cuts, args.steps, args.rounds)
+    print("| model type | catalog model | ms per layer (forward + backward) | × llama |")
+    print("|---|---|---|---|")
+    for t, name in types.items():
+        print(f"| {t} | {name} | {ms[t]:.3f} | {ms[t] / ms['llama']:.2f} |")
+    print(f"\nLAYER_ISSUE_RELATIVE = {({t: round(ms[t] / ms['llama'], 2) for t in types})!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
