@@ -308,6 +308,13 @@ def run_all(args: argparse.Namespace, gpu, header: str) -> list[dict]:
     return results
 
 
+def quiet_start(args: argparse.Namespace):
+    """Libraries' logs and bars off (the results are the output); the catalog GPU the plans are for."""
+    quiet_libraries()
+    quiet_transformers_bars()
+    return gpu_of(args)
+
+
 def gpu_of(args: argparse.Namespace):
     """The catalog GPU the plan column is for: --gpu, else GPU 0, else (a dry run on CPU) the H200 lent now."""
     if args.gpu:
@@ -343,9 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    quiet_libraries()
-    quiet_transformers_bars()
-    gpu = gpu_of(args)
+    gpu = quiet_start(args)
     header = (f"finetune's defaults beside their alternatives, 2-layer cuts of full-width shapes: "
               f"{provenance('defaults.py', argv)}. Planned: what the planner plans for each case's run on {gpu.name}.")
     results = run_all(args, gpu, header)

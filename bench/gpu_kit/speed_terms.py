@@ -46,11 +46,10 @@ from finetune.cli import use_expandable_segments  # noqa: E402
 use_expandable_segments()  # as finetune's entry does, before torch loads
 
 import torch  # noqa: E402
-from defaults import cut, gpu_of, provenance, release, synchronize  # noqa: E402
+from defaults import cut, provenance, quiet_start, release, synchronize  # noqa: E402
 
 from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
-from finetune.library_logs import quiet_libraries, quiet_transformers_bars  # noqa: E402
 from finetune.plan.speed import (  # noqa: E402
     CALIBRATION,
     dequantization_seconds,
@@ -260,9 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    quiet_libraries()
-    quiet_transformers_bars()
-    gpu = gpu_of(args)
+    gpu = quiet_start(args)
     header = (f"Where a micro-batch's time goes, {CUTS[0]}- and {CUTS[1]}-layer cuts of full-width shapes: "
               f"{provenance('speed_terms.py', argv)}. Planned: the planner's terms for each cut on {gpu.name}.")
     results = run_all(args, gpu, header)
