@@ -42,7 +42,10 @@ def test_ctrl_c_says_one_line_with_the_resume_hint_and_resume_logs_each_step_onc
     command = [sys.executable, "-m", "finetune", *QUICK]
     log = tmp_path / "run.log"  # a file, not a pipe: a progress bar nobody reads cannot fill it and stall the run
     with log.open("w") as sink:
-        process = subprocess.Popen([*command, "--max-steps", "1000"], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
+        # Ctrl-C as a terminal sends it: a test run in the background (`cmd &` in a script) inherits SIGINT
+        # ignored, and Python then never raises KeyboardInterrupt; the child gets the default back
+        process = subprocess.Popen([*command, "--max-steps", "1000"], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 400
         while newest_logged_step(tmp_path / "out") < 4 and time.monotonic() < deadline and process.poll() is None:
             time.sleep(0.05)
