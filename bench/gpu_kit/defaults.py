@@ -148,7 +148,6 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
     baseline = torch.cuda.memory_allocated() if device.cuda else 0
     torch.manual_seed(0)
     model = loading.load_model(run, target)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     said = []
     apply_speedups(model, run.config, device.cuda, said.append, run.strategy)
     seed_adapters(model)
@@ -157,17 +156,22 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
     if case.variant == "foreach":
         for group in optimizer.param_groups:
             group["foreach"] = True  # torch's default on CUDA, said outright
-    ids = torch.randint(0, base.config.vocab_size, (run.batch.micro_batch_size, run.config.max_seq_len),
-                        generator=torch.Generator().manual_seed(0)).to(target)
-    # the forward under the autocast Accelerate wraps it in for the precision (-true included)
-    autocast = torch.autocast(target.type, dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
+    ids, autocast = random_batch(run, target)
     measured = updates(model, optimizer, ids, args.steps, baseline, autocast, keep_grads=case.method != "full")
     result |= {"status": "ok", "notes": " | ".join(said[:-1]), **measured.pop("fields")}
     if case.method != "full":
         result |= compared(case, measured, own)
-    del model, optimizer, base
+    del model, optimizer
     release()
     return result
+
+
+def random_batch(run, target: torch.device) -> tuple[torch.Tensor, torch.autocast]:
+    """A seeded micro-batch of random ids of the run's shape on `target` (labels: the ids), and the
+    autocast Accelerate wraps the forward in for the run's precision (-true included)."""
+    shape = (run.batch.micro_batch_size, run.config.max_seq_len)
+    ids = torch.randint(0, run.spec.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(target)
+    return ids, torch.autocast(target.type, dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
 
 
 def seed_adapters(model: torch.nn.Module) -> None:

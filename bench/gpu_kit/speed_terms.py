@@ -46,7 +46,7 @@ from finetune.cli import use_expandable_segments  # noqa: E402
 use_expandable_segments()  # as finetune's entry does, before torch loads
 
 import torch  # noqa: E402
-from defaults import cut, provenance, quiet_start, release, synchronize  # noqa: E402
+from defaults import cut, provenance, quiet_start, random_batch, release, synchronize  # noqa: E402
 
 from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
@@ -142,9 +142,7 @@ def measure(case: Case, layers: int, args: argparse.Namespace, gpu) -> tuple[dic
     torch.manual_seed(0)
     model = loading.load_model(run, target)
     optimizer = build_optimizer(run.config, model, run.peak_lr, fused=device.cuda)
-    shape = (case.micro_batch_size, case.seq_len)
-    ids = torch.randint(0, run.spec.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(target)
-    autocast = torch.autocast(target.type, dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
+    ids, autocast = random_batch(run, target)
     cuda = target.type == "cuda"
 
     for _ in range(args.warmup):
