@@ -151,7 +151,7 @@ def train_steps(session, n: int, save: bool = True) -> list[float]:
     log = LossLog()
     loop.train(session.accelerator, session.model, session.optimizer, session.scheduler, session.train_loader,
                progress=session.progress, max_steps=session.progress.step + n, max_grad_norm=session.config.max_grad_norm,
-               metrics=log, checkpointer=session.checkpointer if save else None)
+               metrics=log, checkpointer=session.checkpointer if save else None, objective=session.objective)
     return log.losses
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.names import METHODS, OPTIMIZERS, PRECISIONS
+from finetune.config.objectives import DPO_LOSSES, OBJECTIVES, objective_problems
 from finetune.errors import ConfigError
 from finetune.models import catalog, source
 
@@ -68,8 +69,23 @@ class TrainConfig:
     data_cache: str | None = _field(None, "Directory for tokenized data, reused by later runs with the same data, tokenizer and options (unset: $FINETUNE_DATA_CACHE, else ~/.cache/finetune/data); none: no cache.")
     dataset_num_proc: int | None = _field(None, "Processes that tokenize (unset: one per 20,000 rows, up to the CPU count).")
     eval_generate: int | None = _field(None, "Eval prompts to answer by greedy generation for exact match (unset: all for the builtin dataset, 0 for other data; under FSDP/ZeRO-3 each generated token gathers the model).")
+    # objective
+    objective: str = _field("sft", "What training optimizes: sft (cross-entropy on the answers), or a preference objective "
+                            "on prompt/chosen/rejected rows: dpo, simpo, orpo, kto (KTO also reads prompt/completion/label "
+                            "rows). The builtin dataset has pairs for each.", tuple(OBJECTIVES))
+    dpo_loss: str = _field("sigmoid", "With --objective dpo: sigmoid (the DPO paper's), ipo (squared distance to 1/(2 beta), "
+                           "on mean log-probabilities), or hinge.", DPO_LOSSES)
+    beta: float | None = _field(None, "Strength of a preference objective (unset: dpo 0.1, simpo 2.0, orpo 0.1, kto 0.1; "
+                                "for ORPO the weight of the odds-ratio term).")
+    simpo_gamma: float = _field(0.5, "With --objective simpo: the margin the chosen answer's reward must clear.")
+    precompute_reference: bool | None = _field(None, "With a reference objective (dpo, kto): compute the reference "
+                                               "model's log-probabilities in one pass before training, cached by the data "
+                                               "and the model, and hold no reference during training; unset: on for full "
+                                               "fine-tuning (instead of a frozen copy of the weights and its forward every "
+                                               "step), off for LoRA/QLoRA (the reference is the base, adapters off).")
     # batch
-    micro_batch_size: int = _field(16, "Examples per forward pass per process.")
+    micro_batch_size: int = _field(16, "Examples per forward pass per process (a preference pair is one example, "
+                                   "two sequences).")
     gradient_accumulation_steps: int | None = _field(None, "Micro-batches per optimizer step (derived from --global-batch-size if unset).")
     global_batch_size: int | None = _field(None, "Examples per optimizer step over all processes = micro × accumulation × world size.")
     # optimization
@@ -254,6 +270,7 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"--adam-epsilon must be > 0, got {config.adam_epsilon}")
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    problems += objective_problems(config)
     problems += filter(None, [source.model_problem(config.model), output_dir_problem(config.output_dir),
                               resume_problem(config.resume)])
     if problems:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import datasets
 
+from finetune.config.objectives import OBJECTIVES
 from finetune.config.options import TrainConfig
-from finetune.data import cache
-from finetune.data.builtin import BUILTIN_DIR
+from finetune.data import cache, preference
+from finetune.data.builtin import BUILTIN_DIR, builtin_file
 from finetune.data.collate import Collator
 from finetune.data.formats import (
     CONVERSATION_KEYS,
@@ -43,13 +44,15 @@ ROWS_PER_PROCESS = 20_000
 
 @dataclass
 class PreparedData:
-    train: datasets.Dataset  # input_ids, labels (-100 where no loss); position_ids too when packed
-    eval: datasets.Dataset  # input_ids, labels; never packed
+    # input_ids, labels (-100 where no loss); position_ids too when packed. Preference objectives:
+    # the columns of data/preference.py (PAIR_COLUMNS or LABELLED_COLUMNS), eval alike
+    train: datasets.Dataset
+    eval: datasets.Dataset  # never packed
     # exact-match material, one per eval row with a single answer (none for text):
     # {"prompt_ids": ids generation starts from, exactly as in training; "prompt": their text;
     #  "expected": the answer to compare the greedy completion with}
     eval_prompts: list[dict]
-    format: str  # alpaca, chat, sharegpt or text: as given by --format, or detected from the columns
+    format: str  # alpaca, chat, sharegpt, text, preference or labelled: as given by --format, or detected from the columns
     cache_entry: Path | None = None  # the cache folder train and eval are read from; None without a cache
     reused: bool = False  # found in the cache, rather than tokenized by this call
 
@@ -70,11 +73,12 @@ def prepare_data(config: TrainConfig, tokenizer) -> PreparedData:
     fit the format (naming the row and the fields it has), a tokenizer that cannot render it, or a
     cache directory that cannot be written.
     """
-    splits = load_splits(config.dataset)
+    builtin = builtin_file(OBJECTIVES[config.objective].preference)
+    splits = load_splits(config.dataset, builtin)
     root = cache.cache_root(config.data_cache)
     if root is None:
         return _prepare(splits, config, tokenizer)
-    entry = root / cache.fingerprint(config, splits, tokenizer, source_digest(config.dataset))
+    entry = root / cache.fingerprint(config, splits, tokenizer, source_digest(config.dataset, builtin))
     reused = cache.exists(entry)
     if not reused:
         data = _prepare(splits, config, tokenizer)
@@ -98,6 +102,8 @@ def fit_run_to_data(data: PreparedData, tokenizer, batch_sizes: dict[str, int | 
 
 
 def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:
+    if OBJECTIVES[config.objective].preference:
+        return _prepare_preference(splits, config, tokenizer)
     train_rows, eval_rows = split_eval(splits, config.eval_split, config.seed, config.dataset)
     fmt = detect_format(train_rows.column_names, config.dataset) if config.format == "auto" else config.format
     check_rows(splits["train"], fmt, config.dataset)
@@ -121,6 +127,52 @@ def _prepare(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> Pr
             text = tokenizer.decode(ids, skip_special_tokens=True)
             eval_prompts.append({"prompt_ids": ids, "prompt": text, "expected": expected_answer(row, fmt)})
     return PreparedData(train=train, eval=eval_, eval_prompts=eval_prompts, format=fmt)
+
+
+def _prepare_preference(splits: datasets.DatasetDict, config: TrainConfig, tokenizer) -> PreparedData:
+    """`_prepare` for a preference objective: rows checked, held out, encoded as pairs or labelled rows
+    (data/preference.py); exact match compares greedy answers with the chosen ones of the eval pairs."""
+    objective = OBJECTIVES[config.objective]
+    train_rows, eval_rows = split_eval(splits, config.eval_split, config.seed, config.dataset)
+    fmt = preference.detect_preference_format(train_rows.column_names, config.dataset, objective)
+    for name, rows in splits.items():
+        if name in ("train", config.eval_split):
+            preference.check_preference_rows(rows, fmt, config.dataset if name == "train" else f"{config.dataset} (split {name})")
+    _check_tokenizer(tokenizer, "chat" if _conversational(train_rows) else fmt)
+    eval_rows = eval_rows.select(range(min(len(eval_rows), config.max_eval_examples)))
+    eval_prompts = []
+    if fmt == "preference":
+        for row in eval_rows:
+            ids, expected = preference.preference_prompt_ids(row, tokenizer)
+            eval_prompts.append({"prompt_ids": ids, "prompt": tokenizer.decode(ids, skip_special_tokens=True),
+                                 "expected": expected})
+    train, eval_ = (_encode_preference(rows, fmt, objective.rows, tokenizer, config) for rows in (train_rows, eval_rows))
+    if len(train) == 0:
+        raise FinetuneError(f"{config.dataset}: no training example keeps an answer token on both sides within "
+                            f"--max-seq-len {config.max_seq_len}; raise it or shorten the prompts.")
+    return PreparedData(train=train, eval=eval_, eval_prompts=eval_prompts, format=fmt)
+
+
+def _conversational(rows: datasets.Dataset) -> bool:
+    first = rows[0] if len(rows) else {}
+    return any(isinstance(first.get(name), list) for name in ("chosen", "completion"))
+
+
+def _encode_preference(rows: datasets.Dataset, fmt: str, kind: str, tokenizer, config: TrainConfig) -> datasets.Dataset:
+    """Paired rows as PAIR_COLUMNS, labelled rows (pairs unpaired first, for KTO) as LABELLED_COLUMNS."""
+    features = preference.features(kind)
+    if len(rows) == 0:
+        return datasets.Dataset.from_dict({name: [] for name in features} | {"row": []},
+                                          features=datasets.Features({**features, "row": datasets.Value("int64")}))
+    if kind == "labelled" and fmt == "preference":
+        rows = rows.map(preference.unpaired, batched=True, remove_columns=rows.column_names, keep_in_memory=True)
+    encode = preference.encode_pairs if kind == "paired" else preference.encode_labelled
+    processes = tokenize_processes(config.dataset_num_proc, len(rows))
+    encoded = rows.map(encode, batched=True, remove_columns=rows.column_names, desc=f"tokenizing ({fmt})",
+                       keep_in_memory=True, num_proc=processes if processes > 1 else None, features=features,
+                       fn_kwargs={"tokenizer": tokenizer, "max_seq_len": config.max_seq_len})
+    # each row's index: precomputed reference log-probabilities are found by it (data/collate.PreferenceCollator)
+    return encoded.add_column("row", list(range(len(encoded))))
 
 
 def _check_tokenizer(tokenizer, fmt: str) -> None:

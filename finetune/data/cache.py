@@ -31,7 +31,8 @@ from finetune.errors import FinetuneError
 
 CACHE_ENV = "FINETUNE_DATA_CACHE"
 # every TrainConfig field the data layer reads (tests/data/test_data_cache.py keeps this list complete)
-DATA_OPTIONS = ("dataset", "format", "train_on_prompt", "max_seq_len", "packing", "eval_split", "max_eval_examples", "seed")
+DATA_OPTIONS = ("dataset", "format", "train_on_prompt", "max_seq_len", "packing", "eval_split", "max_eval_examples", "seed",
+                "objective")
 LIBRARIES = ("datasets", "jinja2", "tokenizers", "transformers")
 META_FILE = "prepared.json"
 

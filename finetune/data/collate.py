@@ -56,3 +56,42 @@ def sequence_sharded(batch: dict, width: int) -> None:
     nothing."""
     batch["position_ids"] = [list(range(width)) for _ in batch["input_ids"]]
     batch["shift_labels"] = [labels[1:] + [IGNORE_INDEX] for labels in batch["labels"]]
+
+
+class PreferenceCollator:
+    """Batches of preference rows (data/preference.py), each as the sequences one forward reads.
+
+    Pairs: the chosen sequences of the rows, then their rejected ones, in one right-padded batch of
+    2 × rows (`input_ids`, `attention_mask`, `labels`), so the policy and the reference each read a
+    micro-batch's pairs in one forward. Labelled rows (KTO): the rows' own sequences, `desirable`,
+    and their mismatched sequences as `kl_input_ids`, `kl_attention_mask`, `kl_labels`.
+
+    `reference`, once set (train/reference.py precomputes it after the model is prepared, when the
+    loaders exist already), holds the reference's log-probabilities of every row of the split by the
+    row's index (`row`): each batch then carries them as `reference_logps` (and `reference_kl_logps`),
+    in the order of its sequences.
+    """
+
+    def __init__(self, tokenizer):
+        self.pad = Collator(tokenizer)
+        self.reference: dict[str, torch.Tensor] | None = None
+
+    def padded(self, ids: list[list[int]], labels: list[list[int]], prefix: str = "") -> dict[str, torch.Tensor]:
+        batch = self.pad([{"input_ids": i, "labels": label} for i, label in zip(ids, labels)])
+        return {prefix + key: value for key, value in batch.items()}
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if "chosen_input_ids" in rows[0]:
+            batch = self.padded([r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows],
+                                [r["chosen_labels"] for r in rows] + [r["rejected_labels"] for r in rows])
+            sides = {"reference_logps": ("chosen", "rejected")}
+        else:
+            batch = self.padded([r["input_ids"] for r in rows], [r["labels"] for r in rows])
+            batch.update(self.padded([r["kl_input_ids"] for r in rows], [r["kl_labels"] for r in rows], prefix="kl_"))
+            batch["desirable"] = torch.tensor([bool(r["desirable"]) for r in rows])
+            sides = {"reference_logps": ("own",), "reference_kl_logps": ("kl",)}
+        if self.reference is not None:
+            index = torch.tensor([r["row"] for r in rows])
+            for key, names in sides.items():
+                batch[key] = torch.cat([self.reference[name][index] for name in names])
+        return batch

@@ -134,12 +134,12 @@ def alpaca_prompt(instruction, input_text=None) -> str:
     return prompt + "### Response:\n"
 
 
-def _ids(tokenizer, texts: list) -> list[list[int]]:
+def token_ids(tokenizer, texts: list) -> list[list[int]]:
     """Token ids of each text, in one tokenizer call."""
     return tokenizer([str(text) for text in texts], add_special_tokens=False)["input_ids"] if texts else []
 
 
-def _bos(tokenizer) -> list[int]:
+def bos_ids(tokenizer) -> list[int]:
     """BOS as an id of its own: tokenizers differ in whether they add it, so we always do."""
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
@@ -147,7 +147,7 @@ def _bos(tokenizer) -> list[int]:
 def encode_as_training(tokenizer, fmt: str) -> None:
     """Make `tokenizer(text)` encode as training on `fmt` data did, so the tokenizer a run saves (and an
     export copies) turns a prompt into the ids the run generated from: alpaca and text start with BOS
-    (see `_bos`) and end without EOS; chats were rendered by the chat template, which holds its own
+    (see `bos_ids`) and end without EOS; chats were rendered by the chat template, which holds its own
     special tokens, so plain text gets none added (`apply_chat_template` adds none either)."""
     if not hasattr(tokenizer, "update_post_processor"):
         return
@@ -156,7 +156,7 @@ def encode_as_training(tokenizer, fmt: str) -> None:
     tokenizer.update_post_processor()
 
 
-def _render(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+def render_chats(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
     """Each conversation through the chat template, as text; tokenizing that text is what
     `apply_chat_template(tokenize=True)` does."""
     if not conversations:
@@ -169,9 +169,9 @@ def prompt_ids(row: dict, fmt: str, tokenizer) -> list[int] | None:
     its final assistant turn. None when there is no single answer to compare (text, or a chat that
     does not end with the assistant)."""
     if fmt == "alpaca":
-        return _bos(tokenizer) + _ids(tokenizer, [alpaca_prompt(row["instruction"], row.get("input"))])[0]
+        return bos_ids(tokenizer) + token_ids(tokenizer, [alpaca_prompt(row["instruction"], row.get("input"))])[0]
     if fmt in CONVERSATION_KEYS and messages(row, fmt)[-1]["role"] == "assistant":
-        return _ids(tokenizer, _render(tokenizer, [messages(row, fmt)[:-1]], add_generation_prompt=True))[0]
+        return token_ids(tokenizer, render_chats(tokenizer, [messages(row, fmt)[:-1]], add_generation_prompt=True))[0]
     return None
 
 
@@ -188,7 +188,7 @@ def _encode_chats(conversations: list[list[dict]], tokenizer, train_on_prompt: b
     tokenized for the whole batch in one call, and a turn that ends its conversation ends where it does."""
 
     def tokenized(prefixes: list[list[dict]], add_generation_prompt: bool) -> list[list[int]]:
-        return _ids(tokenizer, _render(tokenizer, prefixes, add_generation_prompt))
+        return token_ids(tokenizer, render_chats(tokenizer, prefixes, add_generation_prompt))
 
     whole = tokenized(conversations, add_generation_prompt=False)
     if train_on_prompt:
@@ -218,8 +218,8 @@ def _encode_chats(conversations: list[list[dict]], tokenizer, train_on_prompt: b
 
 def _encode_alpaca(rows: list[dict], tokenizer, train_on_prompt: bool) -> list[tuple[list[int], list[int]]]:
     prompts = [alpaca_prompt(row["instruction"], row.get("input")) for row in rows]
-    ids = _ids(tokenizer, prompts + [row["output"] for row in rows])  # one call: prompts, then outputs
-    bos, eos = _bos(tokenizer), tokenizer.eos_token_id  # once: each lookup converts a token to its id
+    ids = token_ids(tokenizer, prompts + [row["output"] for row in rows])  # one call: prompts, then outputs
+    bos, eos = bos_ids(tokenizer), tokenizer.eos_token_id  # once: each lookup converts a token to its id
     encoded = []
     for template_ids, output_ids in zip(ids[: len(rows)], ids[len(rows) :]):
         prompt, response = bos + template_ids, output_ids + [eos]
@@ -234,8 +234,8 @@ def encode(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, max_seq
     elif fmt == "alpaca":
         encoded = _encode_alpaca(rows, tokenizer, train_on_prompt)
     else:
-        bos, eos = _bos(tokenizer), tokenizer.eos_token_id
-        encoded = [(bos + ids + [eos], bos + ids + [eos]) for ids in _ids(tokenizer, [row["text"] for row in rows])]
+        bos, eos = bos_ids(tokenizer), tokenizer.eos_token_id
+        encoded = [(bos + ids + [eos], bos + ids + [eos]) for ids in token_ids(tokenizer, [row["text"] for row in rows])]
     return [{"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]} for input_ids, labels in encoded]
 
 

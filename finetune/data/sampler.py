@@ -51,7 +51,14 @@ class UpdateSortedSampler(Sampler[int]):
 
 def row_lengths(rows) -> list[int]:
     """Tokens per row of a tokenized `datasets.Dataset` (a `select`ed view included), read from its
-    Arrow column without materialising the ids in Python."""
+    Arrow columns without materialising the ids in Python: a preference pair's longer sequence, which
+    its micro-batch is padded to."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
+    table = rows.with_format("arrow")
+    columns = [name for name in table.column_names if name.endswith("input_ids")]
+    lengths = [pc.list_value_length(table[name]) for name in columns]
+    longest = lengths[0]
+    for other in lengths[1:]:
+        longest = pc.max_element_wise(longest, other)
+    return longest.to_pylist()

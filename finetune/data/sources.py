@@ -17,26 +17,26 @@ LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 NO_ROWS_FIX = "Training needs at least one row per split: check the file was written completely, or pass another --dataset."
 
 
-def local_source(name: str) -> Path | None:
-    """The local file or directory `name` means (`builtin` is a file of this package), or None for a
-    Hugging Face Hub dataset id."""
-    path = BUILTIN_DIR / DATASET_FILE if name == "builtin" else Path(name).expanduser()
+def local_source(name: str, builtin: str = DATASET_FILE) -> Path | None:
+    """The local file or directory `name` means (`builtin` is the file of this package named `builtin`:
+    the supervised rows, or the preference pairs), or None for a Hugging Face Hub dataset id."""
+    path = BUILTIN_DIR / builtin if name == "builtin" else Path(name).expanduser()
     return path if path.is_dir() or path.suffix.lower() in LOCAL_LOADERS or path.exists() else None
 
 
-def source_digest(name: str) -> str | None:
+def source_digest(name: str, builtin: str = DATASET_FILE) -> str | None:
     """The content digest of a local source (see content.py), None for a Hub dataset (its rows follow
     its revision, which `datasets` fingerprints)."""
-    path = local_source(name)
+    path = local_source(name, builtin)
     return content.digest(path) if path is not None and path.exists() else None
 
 
-def load_splits(name: str) -> datasets.DatasetDict:
+def load_splits(name: str, builtin: str = DATASET_FILE) -> datasets.DatasetDict:
     """Every split of `name`: `builtin`, a local JSON/JSONL/CSV/Parquet file (one split, `train`),
     a local directory of such files (splits named by file, e.g. train.jsonl and test.jsonl), or a
     Hugging Face Hub dataset id. A local source is parsed into a cache folder of its content's own,
-    so rewritten rows are never read from the tables of the old ones."""
-    path = local_source(name)
+    so rewritten rows are never read from the tables of the old ones. `builtin`: the file `builtin` means."""
+    path = local_source(name, builtin)
     if path is not None and path.is_dir():
         return _load_local(path, str(path), cache_dir=str(content.sources_cache() / content.digest(path)))
     if path is not None:

@@ -118,6 +118,17 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def load_frozen(run: ResolvedRun, dtype: torch.dtype) -> torch.nn.Module:
+    """The base weights once more, as a frozen model in `dtype` (a preference objective's reference
+    for full fine-tuning: train/reference.py): no gradients, eval mode, no KV cache."""
+    attention = families.attention_implementation(run.spec.model_type if run.spec is not None else "")
+    model = _from_pretrained(AutoModelForCausalLM, run.model.weights, attn_implementation=attention,
+                             trust_remote_code=run.config.trust_remote_code, dtype=dtype)
+    model.requires_grad_(False)
+    model.config.use_cache = False
+    return model.eval()
+
+
 def tensor_parallel_layout(run: ResolvedRun):
     """transformers' own layout of a --tp run (train/parallel.py says why it, not Accelerate): the
     model's TP plan over each group of `tp` consecutive ranks, then FSDP2 over the data-parallel

@@ -4,13 +4,15 @@ Strategies (DDP, FSDP2, DeepSpeed ZeRO) arrive inside the prepared `accelerator`
 `optimizer` and `train_loader`; nothing here asks which one is running.
 
 Loss normalization (the decision that makes runs comparable across batch splits and world sizes):
-every target token of an optimizer step weighs the same, whichever micro-batch or rank it sits on.
-The loop counts target tokens over the whole accumulation window on all ranks that read different
-rows before the first forward, asks the model for `sum(token losses) / global_tokens`, and
-multiplies by `accumulation × ranks sharing the tokens` to undo `accelerator.backward`'s division
-by the accumulation steps and the gradient averaging over ranks. So micro 4 × accum 1 ≡ micro 1 ×
-accum 4 ≡ 2 ranks × micro 2 ≡ 2 tensor-parallel ranks × micro 4 (parallel.LossRanks: the ranks of
-a TP group read the same rows; those of a CP group share each row's tokens).
+every unit of an optimizer step weighs the same, whichever micro-batch or rank it sits on: a target
+token for supervised fine-tuning, an example (a preference pair, or a labelled row) for the
+preference objectives (train/objectives.py). The loop counts units over the whole accumulation
+window on all ranks that read different rows before the first forward, asks the objective for
+`sum(unit losses) / global_units`, and multiplies by `accumulation × ranks sharing the tokens` to
+undo `accelerator.backward`'s division by the accumulation steps and the gradient averaging over
+ranks. So micro 4 × accum 1 ≡ micro 1 × accum 4 ≡ 2 ranks × micro 2 ≡ 2 tensor-parallel ranks ×
+micro 4 (parallel.LossRanks: the ranks of a TP group read the same rows; those of a CP group share
+each row's tokens).
 A mixture of experts' load-balancing loss (added by the model when its config sets
 output_router_logits) is a mean per micro-batch: it is averaged over micro-batches and ranks instead,
 and logged apart from the token loss.
@@ -29,6 +31,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from finetune.config.names import IGNORE_INDEX
+from finetune.train.log_probs import sequence_log_probs
+from finetune.train.objectives import Preference, Supervised, count_target_tokens, score
 from finetune.train.parallel import LossRanks, sequence_shards
 
 if TYPE_CHECKING:  # the loop calls them; it never needs to build them
@@ -39,11 +43,6 @@ if TYPE_CHECKING:  # the loop calls them; it never needs to build them
     from finetune.checkpoint.checkpointer import Checkpointer
     from finetune.checkpoint.progress import Progress
     from finetune.train.metrics import MetricsRecorder
-
-
-def count_target_tokens(batch: dict) -> torch.Tensor:
-    """Tokens that contribute to the loss: labels shifted by one (as the model's loss does), not ignored."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def count_input_tokens(batch: dict) -> torch.Tensor:
@@ -65,6 +64,9 @@ def accumulation_windows(batches: Iterable, size: int) -> Iterator[list]:
         yield window
 
 
+SUPERVISED = Supervised()
+
+
 def epoch_batches(accelerator: Accelerator, train_loader: DataLoader, progress: Progress,
                   checkpointer: Checkpointer | None) -> Iterable:
     """The micro-batches of the epoch `progress` is in, from where it left off: the epoch's order,
@@ -81,29 +83,31 @@ def epoch_batches(accelerator: Accelerator, train_loader: DataLoader, progress: 
 def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: DataLoader, *, progress: Progress,
           max_steps: int, max_grad_norm: float, metrics: MetricsRecorder, checkpointer: Checkpointer | None = None,
-          evaluate: Callable[[], dict] | None = None, eval_every: int = 0, router_aux_loss_coef: float = 0.0) -> None:
+          evaluate: Callable[[], dict] | None = None, eval_every: int = 0, router_aux_loss_coef: float = 0.0,
+          objective: Supervised | Preference = SUPERVISED) -> None:
     """Run optimizer updates until `progress.step == max_steps` (or a preemption signal).
 
-    `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates;
-    `checkpointer` decides when to save (see finetune/checkpoint/checkpointer.py);
-    `router_aux_loss_coef` is the weight the model gives its load-balancing loss, if it adds one.
+    `metrics` receives one record per update; `evaluate()` runs every `eval_every` updates; `checkpointer`
+    decides when to save (finetune/checkpoint/checkpointer.py);
+    `router_aux_loss_coef` is the weight the model gives its load-balancing loss, if it adds one;
+    `objective` what the loss is and what it counts (train/objectives.py).
     """
     accumulation, ranks = accelerator.gradient_accumulation_steps, LossRanks(accelerator)
     model.train()
     while progress.step < max_steps:
         for window in accumulation_windows(epoch_batches(accelerator, train_loader, progress, checkpointer), accumulation):
             started, cpu_started = time.perf_counter(), time.process_time()  # the window in hand
-            counts = torch.stack([sum(count_target_tokens(b) for b in window), sum(count_input_tokens(b) for b in window)])
-            global_targets, global_inputs = ranks.sum_over_rows(counts)
-            step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-            step_aux = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            counts = torch.stack([sum(count(b) for b in window) for count in (objective.count, count_target_tokens, count_input_tokens)])
+            global_units, global_targets, global_inputs = ranks.sum_over_rows(counts)
+            objective.start_window(model, window, ranks)
+            step_loss, step_aux = (torch.zeros((), dtype=torch.float64, device=accelerator.device) for _ in range(2))
             grad_norm = None  # clipped on the window's last micro-batch, where the gradients are synced
             for batch in window:
                 with accelerator.accumulate(model), sequence_shards(accelerator, batch):
-                    out = model(**batch, num_items_in_batch=global_targets)
-                    aux = getattr(out, "aux_loss", None) if router_aux_loss_coef else None
+                    unit_loss, aux = objective.loss(model, batch, global_units)
+                    aux = aux if router_aux_loss_coef else None
                     balance = 0.0 if aux is None else router_aux_loss_coef * aux  # a mean per micro-batch
-                    loss = out.loss - balance  # local sum / global count
+                    loss = unit_loss - balance  # local sum / global count
                     accelerator.backward(loss * accumulation * ranks.sharing + balance)
                     step_loss += loss.detach()
                     if aux is not None:
@@ -122,8 +126,7 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
                 step=progress.step,
                 loss=ranks.sum_over_shares(step_loss).item(),
                 aux_loss=ranks.sum_over_shares(step_aux).item() if router_aux_loss_coef else None,
-                lr=lr,
-                grad_norm=None if grad_norm is None else float(grad_norm),
+                lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens=int(global_inputs),
                 seconds=time.perf_counter() - started,
                 cpu_seconds=time.process_time() - cpu_started,
@@ -185,16 +188,17 @@ def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
     return completions
 
 
-def evaluate(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader, tokenizer: PreTrainedTokenizerBase,
-             eval_prompts: list[dict], keep_train_mode: bool) -> dict:
-    """Eval loss, exact-match accuracy of greedy generations, and the generations themselves.
+def evaluate(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader | None,
+             tokenizer: PreTrainedTokenizerBase, eval_prompts: list[dict], keep_train_mode: bool) -> dict:
+    """Eval loss (none without `eval_loader`), exact-match accuracy of greedy generations, and the
+    generations themselves.
 
     `keep_train_mode` evaluates without switching to eval mode: 4-bit bitsandbytes layers repack
     their weights in place on eval-mode no-grad forwards, which corrupts sharded QLoRA models.
     """
     if not keep_train_mode:
         model.eval()
-    result = {"eval_loss": evaluation_loss(accelerator, model, eval_loader)}
+    result = {} if eval_loader is None else {"eval_loss": evaluation_loss(accelerator, model, eval_loader)}
     if eval_prompts:
         expected = [p["expected"] for p in eval_prompts]
         max_new_tokens = max(len(tokenizer(e, add_special_tokens=False)["input_ids"]) for e in expected) + 2
@@ -206,3 +210,45 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, eval_loader: Data
                              for p, g in zip(eval_prompts, got)]
     model.train()
     return result
+
+
+@torch.no_grad()
+def preference_evaluation(accelerator: Accelerator, model: torch.nn.Module, eval_loader: DataLoader,
+                          objective: Preference) -> dict:
+    """A preference objective's held-out numbers, each example counted once across ranks: its loss
+    (`eval_loss`, KTO's KL estimate taken over the whole eval set), `preference_accuracy` (pairs: the
+    chosen answer's reward above the rejected one's; labelled rows: the reward on the side of the KL
+    estimate its label says) and `reward_margin` (pairs: chosen − rejected reward; labelled rows: the
+    mean reward of desirable rows − that of the others). A reward is β × the log-ratio to the reference
+    (DPO, KTO), or β × the mean token log-probability (SimPO, ORPO)."""
+    paired = objective.objective.rows == "paired"
+    columns = []
+    for batch in tqdm(eval_loader, desc="eval preference", **progress_bar(accelerator.is_main_process)):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        policy, tokens = sequence_log_probs(model, batch)
+        reference = objective.reference.log_probs(model, batch) if objective.reference else torch.zeros_like(policy)
+        if paired:  # one row per pair: chosen and rejected side by side
+            values = [v.double().view(2, -1) for v in (policy, tokens, reference)]
+            columns.append(torch.cat(values).T)
+        else:
+            kl = sequence_log_probs(model, batch, "kl_")[0] - objective.reference.log_probs(model, batch, "kl_")
+            columns.append(torch.stack([policy.double(), tokens.double(), reference.double(),
+                                        batch["desirable"].double(), kl.double()], dim=1))
+    table = accelerator.gather_for_metrics(torch.cat(columns))
+    return preference_numbers(objective, table, paired)
+
+
+def preference_numbers(objective: Preference, table: torch.Tensor, paired: bool) -> dict:
+    """`preference_evaluation`'s numbers from its gathered table (a row per example)."""
+    if paired:
+        policy, tokens, reference = (torch.cat([table[:, i], table[:, i + 1]]) for i in (0, 2, 4))
+        scores = score(objective.objective, objective.settings, policy, tokens, reference if objective.reference else None)
+        right, margin = scores.chosen > scores.rejected, (scores.chosen - scores.rejected).mean()
+    else:
+        policy, tokens, reference, desirable, kl = table.T
+        desirable, z = desirable.bool(), kl.mean().clamp(min=0)
+        scores = score(objective.objective, objective.settings, policy, tokens, reference, desirable, z)
+        right = (scores.chosen > objective.settings.beta * z) == desirable
+        margin = scores.chosen[desirable].mean() - scores.chosen[~desirable].mean()
+    return {"eval_loss": scores.loss.mean().item(), "preference_accuracy": right.double().mean().item(),
+            "reward_margin": margin.item()}

@@ -23,15 +23,19 @@ from torch.utils.data import DataLoader
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
 from finetune.config.flags import Command, save_yaml
+from finetune.config.objectives import OBJECTIVES
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, planned_epochs
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
+from finetune.data.collate import PreferenceCollator
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
 from finetune.plan import gpus
-from finetune.train import dry_run, fit_check, inventory, loading, loop, ranks
+from finetune.train import dry_run, fit_check, inventory, loading, log_probs, loop, ranks
 from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import plot_loss_curve
+from finetune.train.objectives import build_objective
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
+from finetune.train.reference import build_reference
 from finetune.train.session import Opened, Session
 from finetune.train.speedups import apply_speedups
 
@@ -114,23 +118,38 @@ def build(run: ResolvedRun, opened: Opened) -> Session:
     if config.packing:
         loading.check_packing_support(model)
     model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
+    collators = build_collators(run, model, tokenizer)
 
-    collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
-    train_loader = train_dataloader(data.train, run.batch, config, collator)
+    train_loader = train_dataloader(data.train, run.batch, config, collators[0])
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
     optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
     scheduler = build_scheduler(config, optimizer, run.max_steps)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
+    # before a resume loads the checkpoint: a precomputed reference reads the weights as they loaded
+    objective = build_objective(config, build_reference(run, accelerator, model, data, collators))
 
     resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
     checkpointer = opened.checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
     resume(checkpointer, scheduler, progress, run.max_steps)
     announce(run, accelerator, data, resolved, accelerator.unwrap_model(model))
-    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collator, run.batch.micro_batch_size)
-    return Session(run, accelerator, model, tokenizer, data, collator, train_loader, optimizer, scheduler, progress,
-                   checkpointer, evaluate, resolved, opened)
+    evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collators[1], run.batch.micro_batch_size,
+                                objective)
+    return Session(run, accelerator, model, tokenizer, data, collators[0], train_loader, optimizer, scheduler, progress,
+                   checkpointer, evaluate, resolved, opened, objective)
+
+
+def build_collators(run: ResolvedRun, model: torch.nn.Module, tokenizer) -> tuple:
+    """The train and eval collators: one Collator for supervised rows; for preference rows one
+    PreferenceCollator per split (each receives its split's precomputed reference, if any), and the
+    model's forward learns to return sequence log-probabilities (train/log_probs.py)."""
+    if not OBJECTIVES[run.config.objective].preference:
+        collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
+        return collator, collator
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    log_probs.install(base, log_probs.form_of(run, base))
+    return PreferenceCollator(tokenizer), PreferenceCollator(tokenizer)
 
 
 def train_dataloader(rows, batch: BatchShape, config: TrainConfig, collator: Collator) -> DataLoader:
@@ -153,7 +172,7 @@ def fit(session: Session) -> dict:
     loop.train(s.accelerator, s.model, s.optimizer, s.scheduler, s.train_loader, progress=s.progress,
                max_steps=s.max_steps, max_grad_norm=config.max_grad_norm, metrics=metrics,
                checkpointer=s.checkpointer, evaluate=s.evaluate, eval_every=config.eval_every,
-               router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)))
+               router_aux_loss_coef=router_aux_loss_coef(s.accelerator.unwrap_model(s.model)), objective=s.objective)
     if s.checkpointer.preempted:  # saved in the loop; stop here, exit 0
         metrics.close()
         s.accelerator.print(s.checkpointer.preemption_message())
@@ -174,6 +193,10 @@ def fit(session: Session) -> dict:
         "samples": samples_before_after(before, after)[: config.num_samples],
         "compile_seconds": metrics.compile_seconds,  # --compile: not in any update's tokens/s
     }
+    if OBJECTIVES[config.objective].preference:
+        summary["objective"] = config.objective
+        summary.update({f"{name}_{when}": result.get(name) for name in PREFERENCE_NUMBERS
+                        for when, result in (("before", before), ("after", after))})
     if s.accelerator.is_main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
@@ -240,11 +263,13 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
 NO_EVAL_REASON = {True: "--max-eval-examples 0", False: "the eval split is empty"}
 
 
-def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, collator, micro_batch_size: int):
+def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, collator, micro_batch_size: int,
+                     objective=None):
     """`evaluate()` for this run, or None when eval is off (--max-eval-examples 0, or no eval rows).
 
-    Eval loss always; greedy exact match only on the first `generated_prompts` prompts, because
-    under FSDP/ZeRO-3 every generated token gathers the whole model on every rank.
+    Eval loss always, and for a preference objective its preference accuracy and reward margin
+    (loop.preference_evaluation); greedy exact match only on the first `generated_prompts` prompts,
+    because under FSDP/ZeRO-3 every generated token gathers the whole model on every rank.
     """
     if len(data.eval) == 0:
         accelerator.print(f"eval: off ({NO_EVAL_REASON[config.max_eval_examples == 0]})")
@@ -254,20 +279,28 @@ def build_evaluation(config: TrainConfig, accelerator, model, tokenizer, data, c
         # prepared on its own, after the model: under DeepSpeed `prepare()` builds the engine
         eval_loader = accelerator.prepare_data_loader(eval_loader)
     prompts = data.eval_prompts[:generated_prompts(config, len(data.eval_prompts))]
-    accelerator.print(f"eval: loss on {len(data.eval):,} examples; "
-                      + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
-                         "no generation (--eval-generate N adds greedy exact match on N prompts)"))
+    preference = objective is not None and objective.objective.preference
+    accelerator.print(f"eval: {'loss, preference accuracy and reward margin' if preference else 'loss'} on "
+                      f"{len(data.eval):,} examples; " + (f"greedy exact match on {len(prompts):,} prompts" if prompts else
+                                                          "no generation (--eval-generate N adds greedy exact match on N prompts)"))
 
     def evaluate() -> dict:
-        return loop.evaluate(accelerator, model, eval_loader, tokenizer, prompts, keep_train_mode=config.method == "qlora")
+        if not preference:
+            return loop.evaluate(accelerator, model, eval_loader, tokenizer, prompts, keep_train_mode=config.method == "qlora")
+        if config.method != "qlora":
+            model.eval()
+        result = loop.preference_evaluation(accelerator, model, eval_loader, objective)
+        return {**result, **loop.evaluate(accelerator, model, None, tokenizer, prompts, keep_train_mode=config.method == "qlora")}
 
     return evaluate
 
 
 def generated_prompts(config: TrainConfig, available: int) -> int:
-    """--eval-generate, or when unset: every eval prompt of the builtin dataset (tiny model, quick
-    answers), none for other data (a real model's generations cost far more than its eval loss)."""
-    wanted = config.eval_generate if config.eval_generate is not None else (available if config.dataset == "builtin" else 0)
+    """--eval-generate, or when unset: every eval prompt of the builtin supervised dataset (tiny model,
+    quick answers), none for other data (a real model's generations cost far more than its eval loss)
+    nor for preference objectives (whose held-out numbers are the preference accuracy and margin)."""
+    builtin = config.dataset == "builtin" and not OBJECTIVES[config.objective].preference
+    wanted = config.eval_generate if config.eval_generate is not None else (available if builtin else 0)
     return min(wanted, available)
 
 
@@ -295,12 +328,20 @@ def samples_before_after(before: dict, after: dict) -> list[dict]:
     return [{**a, "before": b["generated"]} for a, b in zip(after.get("samples", []), before.get("samples", []))]
 
 
+# what a preference objective's evaluation adds to the summary, before and after training (loop.preference_evaluation)
+PREFERENCE_NUMBERS = ("preference_accuracy", "reward_margin")
+
+
 def format_summary(summary: dict) -> str:
     compiled = f"; {summary['compile_seconds']:.1f} s compiling, apart from tokens/s" if summary["compile_seconds"] else ""
     if summary["eval_loss_before"] is None:
         return f"\n{summary['steps']} optimizer steps; no evaluation{compiled}"
     lines = ["", *([f"{summary['steps']} optimizer steps{compiled}"] if compiled else []), f"{'':24}{'before':>10}{'after':>10}",
              f"{'eval loss':24}{summary['eval_loss_before']:>10.4f}{summary['eval_loss_after']:>10.4f}"]
+    if summary.get("preference_accuracy_before") is not None:
+        lines += [f"{'preference accuracy':24}{summary['preference_accuracy_before']:>10.1%}"
+                  f"{summary['preference_accuracy_after']:>10.1%}",
+                  f"{'reward margin':24}{summary['reward_margin_before']:>10.4f}{summary['reward_margin_after']:>10.4f}"]
     if summary["exact_match_before"] is not None:
         lines.append(f"{'exact match (greedy)':24}{summary['exact_match_before']:>10.1%}{summary['exact_match_after']:>10.1%}")
     for sample in summary["samples"]:

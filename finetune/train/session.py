@@ -24,6 +24,7 @@ from finetune.config.options import TrainConfig
 from finetune.config.resolve import ResolvedRun
 from finetune.data import Collator, PreparedData
 from finetune.train.metrics import MetricsRecorder
+from finetune.train.objectives import Preference, Supervised
 
 
 class Opened:
@@ -64,7 +65,7 @@ def let_go_of_frames(error: BaseException) -> None:
 
 
 # what a session holds that holds the model or its parameters: let go of when it closes
-TRAINED_WITH = ("model", "optimizer", "scheduler", "train_loader", "evaluate", "checkpointer")
+TRAINED_WITH = ("model", "optimizer", "scheduler", "train_loader", "evaluate", "checkpointer", "objective")
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Session:
     evaluate: Callable[[], dict] | None  # None when eval is off
     resolved: dict  # the derived numbers, for run.yaml and every checkpoint manifest
     opened: Opened  # what setup opened
+    objective: Supervised | Preference | None = None  # what the loss is (train/objectives.py); None: supervised
 
     def __enter__(self) -> Session:
         return self

@@ -1,5 +1,6 @@
-"""The embedded default: a char-level tokenizer and an alpaca dataset of small digit and string
-tasks, both generated here so a fresh clone trains offline and visibly learns on CPU.
+"""The embedded default: a char-level tokenizer, an alpaca dataset of small digit and string tasks, and
+preference pairs of the same tasks (the right answer chosen, a wrong one rejected), all generated
+here so a fresh clone trains offline and visibly learns on CPU, supervised or by preference.
 
 The files live next to this module. `python -m finetune.data.builtin` rewrites them; the output
 depends only on this code (fixed seed), so a test checks the shipped bytes against a regeneration.
@@ -17,8 +18,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 BUILTIN_DIR = Path(__file__).parent
 DATASET_FILE = "dataset.jsonl"
+PREFERENCE_FILE = "preference.jsonl"
 NUM_ROWS = 4000
 SEED = 1234
+PREFERENCE_SEED = 4321  # its own stream: the supervised rows stay as they were
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -108,6 +111,52 @@ def generate_rows(num_rows: int = NUM_ROWS, seed: int = SEED) -> list[dict[str, 
     return rows
 
 
+def _other(rng: random.Random, right: str, candidates) -> str:
+    return rng.choice([str(c) for c in candidates if str(c) != right])
+
+
+# task → a wrong answer to (input, right answer): what a model that has not learnt the task says
+WRONG: dict[str, Callable[[random.Random, str, str], str]] = {
+    "length": lambda rng, text, right: _other(rng, right, range(1, 10)),
+    "max_digit": lambda rng, text, right: _other(rng, right, string.digits),
+    "min_digit": lambda rng, text, right: _other(rng, right, string.digits),
+    "add": lambda rng, text, right: _other(rng, right, range(19)),
+    "multiply": lambda rng, text, right: _other(rng, right, {int(text[0]) * b for b in range(10)} | {int(right) + 1}),
+    "parity": lambda rng, text, right: "even" if right == "odd" else "odd",
+    "sort_digits": lambda rng, text, right: text if text != right else right[::-1],
+    "copy": lambda rng, text, right: _one_letter_changed(rng, right),
+}
+
+
+def _one_letter_changed(rng: random.Random, word: str) -> str:
+    at = rng.randrange(len(word))
+    return word[:at] + _other(rng, word[at], string.ascii_lowercase) + word[at + 1:]
+
+
+def generate_preference_rows(num_rows: int = NUM_ROWS, seed: int = PREFERENCE_SEED) -> list[dict[str, str]]:
+    """prompt / chosen / rejected rows cycling through TASKS: the alpaca prompt of the task, its right
+    answer chosen and a wrong one (`WRONG`) rejected. A row whose wrong answer would equal the right
+    one (sorting digits that are all the same) is drawn again."""
+    from finetune.data.formats import alpaca_prompt  # here: this package loads while finetune.data does
+
+    rng = random.Random(seed)
+    names = list(TASKS)
+    rows = []
+    while len(rows) < num_rows:
+        name = names[len(rows) % len(names)]
+        instruction, task_input, output = TASKS[name](rng)
+        wrong = WRONG[name](rng, task_input, output)
+        if wrong != output:
+            rows.append({"prompt": alpaca_prompt(instruction, task_input), "chosen": output, "rejected": wrong})
+    rng.shuffle(rows)
+    return rows
+
+
+def builtin_file(preference: bool) -> str:
+    """The file `--dataset builtin` reads: the preference pairs for a preference objective."""
+    return PREFERENCE_FILE if preference else DATASET_FILE
+
+
 def build_tokenizer() -> Tokenizer:
     """One token per character (specials first, so PAD=0, BOS=1, EOS=2, UNK=3); decoding joins
     characters back without spaces. No BOS is added automatically: prompts carry it as text."""
@@ -141,6 +190,7 @@ def write_builtin(directory: Path = BUILTIN_DIR) -> list[Path]:
         "tokenizer.json": build_tokenizer().to_str(pretty=True) + "\n",
         "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2) + "\n",
         DATASET_FILE: "".join(json.dumps(row) + "\n" for row in generate_rows()),
+        PREFERENCE_FILE: "".join(json.dumps(row) + "\n" for row in generate_preference_rows()),
     }
     for name, text in files.items():
         (directory / name).write_text(text, encoding="utf-8", newline="\n")
