@@ -37,6 +37,19 @@ def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: 
                                             attn_implementation=attention_implementation(config["model_type"]))
 
 
+def shrunk_config_dir(directory: Path, name: str, layers: int) -> str:
+    """A folder holding the catalog shape `name` cut to `layers` decoder layers as a config.json (at full
+    width, which `--model` accepts): planner and fake-tensor checks of real shapes in seconds."""
+    from dataclasses import replace
+
+    from finetune.models import catalog
+
+    spec = replace(catalog.get(name), num_layers=layers)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
+    return str(directory)
+
+
 def word_tokenizer():
     """A 64-word word-level tokenizer (w1 … w61, then pad and EOS), so checkpoints carry tokenizer
     files like real runs and text rows of words encode to one id a word."""
@@ -155,6 +168,21 @@ def train_steps(session, n: int, save: bool = True) -> list[float]:
     return log.losses
 
 
+def preempt_after(optimizer, updates: int) -> None:
+    """Send this process SIGUSR1 right after optimizer update `updates`, as Slurm would mid-run."""
+    import os
+    import signal
+
+    done = []
+
+    def count(*_) -> None:
+        done.append(1)
+        if len(done) == updates:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    optimizer.optimizer.register_step_post_hook(count)  # the prepared optimizer's torch optimizer
+
+
 def weights(session) -> dict:
     return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
 
@@ -185,6 +213,25 @@ def run_printed_launch(plan, folder: Path, env: dict, *flags: str):
                *words[5:], "--max-steps", "2", "--max-seq-len", "64", *flags, "--output-dir", str(folder / "out")]
     return subprocess.run(command, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""} | env, capture_output=True, text=True,
                           timeout=900)
+
+
+def rehearsal_runner(tmp_path_factory, table: dict, *flags: str):
+    """name → Rehearsal of `table[name]` = (accelerate config, training flags), run once on first use
+    with `--model tiny` and `flags` before its own, shared by the tests of a module."""
+    from finetune.config.flags import parse_command
+    from finetune.launch import rehearse
+
+    results = {}
+
+    def run(name: str):
+        if name not in results:
+            accelerate_config, own = table[name]
+            command = parse_command(["--model", "tiny", *flags, *own])
+            results[name] = rehearse.rehearse(command.config, str(REPO / "accelerate_configs" / accelerate_config),
+                                              tmp_path_factory.mktemp(name), steps=3, given=command.given)
+        return results[name]
+
+    return run
 
 
 def retrain(command: list[str], out: Path, steps: int):

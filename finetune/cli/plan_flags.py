@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from finetune.config.names import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
+from finetune.config.objectives import OBJECTIVES
 from finetune.errors import FinetuneError
 from finetune.models import catalog as model_catalog
 from finetune.models.catalog import ModelSpec
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: searched; 1: none)")
     parser.add_argument("--cp", type=int, help="context parallel size: GPUs that split every row's tokens (default: "
                         f"searched for rows of {CP_MIN_SEQ_LEN:,} tokens or more; 1: none)")
+    parser.add_argument("--objective", choices=tuple(OBJECTIVES), help="what training optimizes (default sft); a "
+                        "preference objective runs each pair's two sequences (--micro-batch-size counts pairs) and, for "
+                        "dpo and kto, the reference's forward or a frozen copy of the weights")
+    parser.add_argument("--precompute-reference", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan dpo/kto with the reference's log-probabilities computed before training (no reference "
+                        "held); default: as the trainer decides it (on for full fine-tuning, off for LoRA/QLoRA)")
     parser.add_argument("--tokens", type=float, help="training tokens, for hours and cost (e.g. 1e9)")
     parser.add_argument("--host-memory", metavar="GiB|local",
                         help="host RAM per node a plan may use (default: what the GPU's usual cloud instance has; "

@@ -102,6 +102,16 @@ def precomputes_reference(objective: str, precompute: bool | None, method: str) 
     return precompute if precompute is not None else method == "full"
 
 
+def reference_kind(objective: str, precompute: bool | None, method: str) -> str | None:
+    """How a run has its reference (train/reference.py): "precomputed", "adapters off" (LoRA/QLoRA: the
+    base it adapts), "frozen copy" (full fine-tuning), or None without a reference."""
+    if not OBJECTIVES[objective].reference:
+        return None
+    if precomputes_reference(objective, precompute, method):
+        return "precomputed"
+    return "frozen copy" if method == "full" else "adapters off"
+
+
 def beta_of(objective: str, beta: float | None) -> float | None:
     """--beta, else the objective's default."""
     return beta if beta is not None else OBJECTIVES[objective].default_beta

@@ -18,6 +18,7 @@ import yaml
 
 from finetune.config import deepspeed_json
 from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
+from finetune.config.objectives import OBJECTIVES
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
 from finetune.config.switches import Switches, resolve_switches
@@ -253,12 +254,20 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     problems = parallelism_problems(parallelism, spec=spec, method=config.method, lora_targets=config.lora_target_modules,
                                     deepspeed=strategy.deepspeed, offload=offload, cuda=device.cuda,
                                     max_seq_len=config.max_seq_len,
-                                    packing=config.packing, attention=config.attention)
+                                    packing=config.packing, attention=config.attention) + layout_problems(config, parallelism)
     if problems:
         raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
     return ResolvedRun(config=config, model=model, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
                        strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, parallelism=parallelism,
                        given=given, cuda=device.cuda)
+
+
+def layout_problems(config: TrainConfig, parallelism: Parallelism) -> list[str]:
+    """A preference objective's sequence log-probabilities need whole rows and the whole vocabulary on a rank."""
+    if OBJECTIVES[config.objective].preference and parallelism.model_parallel > 1:
+        return [f"--objective {config.objective} runs without tensor or context parallelism (a rank's slice of the "
+                "vocabulary or of the rows holds no whole sequence log-probability); use FSDP2 or ZeRO-3 alone"]
+    return []
 
 
 def check_attention(attention: str, device: Device) -> None:

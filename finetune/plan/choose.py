@@ -31,6 +31,7 @@ from finetune.config.names import (
     default_precision,
     named,
 )
+from finetune.config.objectives import OBJECTIVES, precomputes_reference
 from finetune.config.switches import Switches, resolve_switches
 from finetune.errors import FinetuneError
 from finetune.models.catalog import ModelSpec
@@ -88,6 +89,8 @@ class Request:
     compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
     tp: int | None = None  # tensor parallel size; None: the planner searches (plan/parallel.py)
     cp: int | None = None  # context parallel size; None: the planner searches long rows
+    objective: str = "sft"  # config.objectives.OBJECTIVES: a preference pair runs two sequences, and maybe a reference
+    precompute_reference: bool | None = None  # unset: as the trainer decides it (config.objectives.precomputes_reference)
 
     def __post_init__(self) -> None:
         for name, table in (("strategy", STRATEGIES), ("precision", PRECISIONS)):
@@ -148,6 +151,7 @@ def validate(request: Request) -> None:
     problems = []
     choices = {
         "method": ("auto", *METHODS), "offload": ("auto", *OFFLOADS), "optimizer": ("auto", *OPTIMIZERS),
+        "objective": tuple(OBJECTIVES),
     }
     for name, allowed in choices.items():
         if getattr(request, name) not in allowed:
@@ -223,6 +227,8 @@ def candidates(request: Request) -> list[Workload]:
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
                     loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=request.compile,
+                    objective=request.objective,
+                    precompute_reference=precomputes_reference(request.objective, request.precompute_reference, method),
                 )
                 workloads += [replace(workload, tp=tp, cp=cp, loss=planned_switches(request, strategy, method, optimizer,
                                                                                      tp, cp).loss)
@@ -245,6 +251,8 @@ def layouts(request: Request, w: Workload) -> list[tuple[int, int]]:
     every TP size the trainer runs it with, and the CP sizes for long rows (parallel.CP_MIN_SEQ_LEN).
     The trainer runs TP or CP, not both."""
     tp_sizes, cp_sizes = parallel.tensor_parallel_sizes(w), parallel.context_parallel_sizes(w)
+    if w.objective_row.preference:  # the trainer runs preference objectives without TP or CP (config/resolve.py)
+        tp_sizes, cp_sizes = [], []
     if request.tp is not None or request.cp is not None:
         tp, cp = request.tp or 1, request.cp or 1
         fixed_ok = (tp == 1 or tp in tp_sizes) and (cp == 1 or cp in cp_sizes) and (tp == 1 or cp == 1)

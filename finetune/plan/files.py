@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config.objectives import precomputes_reference
 from finetune.config.switches import resolve_switches
 from finetune.plan.choose import Plan
 from finetune.plan.cluster import SAFE_DUMPER, cluster_texts
@@ -117,7 +118,17 @@ def train_flags(w: Workload) -> list[str]:
         flags += ["--optimizer", w.optimizer]
     if w.method != "full":
         flags += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
-    return flags + layout_flags(w) + checkpointing_flags(w) + speed_flags(w)
+    return flags + objective_flags(w) + layout_flags(w) + checkpointing_flags(w) + speed_flags(w)
+
+
+def objective_flags(w: Workload) -> list[str]:
+    """--objective, and --precompute-reference where the plan's differs from the trainer's default."""
+    if w.objective == "sft":
+        return []
+    flags = ["--objective", w.objective]
+    if w.objective_row.reference and w.precompute_reference != precomputes_reference(w.objective, None, w.method):
+        flags.append("--precompute-reference" if w.precompute_reference else "--no-precompute-reference")
+    return flags
 
 
 def layout_flags(w: Workload) -> list[str]:
@@ -171,7 +182,7 @@ def plan_command(w: Workload, model: str, config_dir: str = DEFAULT_CONFIG_DIR) 
              "--method", w.method, "--strategy", w.strategy.name, "--offload", w.offload, "--precision", w.precision.name,
              "--optimizer", w.optimizer, "--micro-batch-size", str(w.micro_batch_size),
              "--gradient-accumulation-steps", str(w.gradient_accumulation_steps), "--seq-len", str(w.seq_len),
-             *layout_flags(w), *(checkpointing_flags(w) or ["--no-gradient-checkpointing"])]
+             *objective_flags(w), *layout_flags(w), *(checkpointing_flags(w) or ["--no-gradient-checkpointing"])]
     if w.method != "full":
         words += ["--lora-r", str(w.lora_r), "--lora-targets", w.lora_targets]
     return shlex.join([*words, *speed_flags(w), "--write-config", config_dir])

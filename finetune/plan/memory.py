@@ -83,6 +83,7 @@ class ModelStates:
     gradients: float
     optimizer: float  # optimizer states, plus fp32 master weights and fp32 gradients under DeepSpeed
     step_scratch: float  # temporaries of the optimizer step (torch foreach AdamW: one state-sized copy)
+    reference: float = 0.0  # a preference objective's frozen copy of the weights (Workload.reference_copy)
 
 
 def trainable_params(w: Workload) -> int:
@@ -133,6 +134,8 @@ def model_states(w: Workload) -> ModelStates:
         gradients=n_train * weight,
         optimizer=optimizer,
         step_scratch=n_train * state_bytes if foreach else 0.0,
+        # loaded again in the compute dtype, frozen (train/reference.py)
+        reference=counts.total * p.compute_bytes if w.reference_copy else 0.0,
     )
 
 
@@ -248,7 +251,7 @@ def loss_activation_bytes(w: Workload) -> float:
         saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
     # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
     logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
-    return saved + LOSS_BYTES_PER_VOCAB[w.loss](logits) * spec.vocab_size
+    return saved + LOSS_BYTES_PER_VOCAB[w.loss_form](logits) * spec.vocab_size
 
 
 # Bytes per vocabulary entry per token at the loss's peak (the start of backward), given the
@@ -283,7 +286,7 @@ def chunk_scratch_bytes(w: Workload) -> float:
     output they were copied from or the 16-bit gradient made from them. When the head trains, its
     fp32 gradient is kept from the forward to backward, and each chunk's contribution passes through
     a 16-bit and an fp32 copy of the head's size, beside the chunk's 16-bit gradient."""
-    if w.loss != "finetune-chunked":
+    if w.loss_form != "finetune-chunked":
         return 0.0
     spec, e = w.model, w.precision.compute_bytes
     chunk = min(chunk_tokens(spec.vocab_size), w.tokens_per_micro_batch) * spec.vocab_size
@@ -365,12 +368,15 @@ def unmeasured_terms(w: Workload) -> list[str]:
     if kept and (w.partial_checkpointing or w.tokens_per_micro_batch > MEASURED_KEPT_TOKENS):
         terms.append(f"activations of the {kept} decoder layers that keep theirs "
                      f"({kept_layer_activations(w) / GIB:.1f} GiB at {w.tokens_per_micro_batch:,} tokens per micro-batch)")
-    if w.loss == "liger":
+    if w.loss_form == "liger":
         terms.append("Liger's fused loss (counted as holding no logits)")
-    if w.loss == "finetune-chunked":
+    if w.loss_form == "finetune-chunked":
         terms.append(f"the chunked loss's scratch ({chunk_scratch_bytes(w) / GIB:.2f} GiB, simulated on CPU)")
     if w.fused_optimizer and w.optimizer == "adamw" and not w.deepspeed:
         terms.append("fused AdamW's step (counted without foreach temporaries)")
+    if w.objective_row.preference:
+        terms.append(f"--objective {w.objective} (counted as {w.objective_row.sequences} sequence(s) per example"
+                     + (", a frozen copy of the weights as the reference" if w.reference_copy else "") + ")")
     return terms
 
 
@@ -470,7 +476,7 @@ def place_states(w: Workload, states: ModelStates) -> Placement:
     """What of `states` one GPU holds under `w`'s strategy and offload. Shared by the estimate and
     by `--dry-run`'s measurement of the trainer's own construction, so both place states alike."""
     n, strategy = w.sharding_ranks, w.strategy
-    weights = (states.frozen + states.trainable) / (n if strategy.shards_weights else 1) + states.quant_constants
+    weights = (states.frozen + states.trainable + states.reference) / (n if strategy.shards_weights else 1) + states.quant_constants
     gradients = states.gradients / (n if strategy.shards_gradients else 1)
     optimizer = states.optimizer / (n if strategy.shards_optimizer else 1)
     step_scratch = states.step_scratch / (n if strategy.shards_optimizer else 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from finetune.config.objectives import OBJECTIVES
 from finetune.models.catalog import ModelSpec
 from finetune.plan import moe
 from finetune.plan.choose import Plan, Request, describe
@@ -30,6 +31,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "gradient_checkpointing": w.gradient_checkpointing,
         "gradient_checkpointing_layers": w.recomputed_layers,  # of model.num_layers; 0 without checkpointing
         "gradient_accumulation_steps": w.gradient_accumulation_steps,
+        "objective": w.objective, "precompute_reference": w.precompute_reference,
         "liger": w.loss == "liger",
         "chunked_loss": w.loss == "finetune-chunked",
         "compile": w.compile,
@@ -118,7 +120,7 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
     host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
     lines = [
         f"{spec.name}: {size_text(spec)} on {world}× {gpu.name} "
-        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}; "
+        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}{objective_text(request)}; "
         f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
         "tp, cp: GPUs of one tensor- / context-parallel group; "
         "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
@@ -197,12 +199,21 @@ def why_not(p: Plan) -> str:
     return "; ".join(p.reasons[: (not p.fits_device) + (not p.fits_host)] or p.reasons[:1])
 
 
+def objective_text(request: Request) -> str:
+    """How a heading names a preference objective: each micro batch counts pairs (or labelled rows)."""
+    if request.objective == "sft":
+        return ""
+    o = OBJECTIVES[request.objective]
+    unit = "pairs, 2 sequences each" if o.rows == "paired" else "labelled rows"
+    return f", --objective {o.name} (micro batch in {unit})"
+
+
 def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> str:
     """One line per model: its recommended plan on these GPUs, or how far the closest plan misses."""
     request = results[0][0]
     world = request.gpus_per_node * request.nodes
     lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB, host RAM "
-             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}:"]
+             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}{objective_text(request)}:"]
     for req, plans, recommended in results:
         name = f"{req.model.name} ({count_params(req.model).total / 1e9:.1f}B)"
         if recommended is None:

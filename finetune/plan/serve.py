@@ -26,6 +26,7 @@ from importlib import resources
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from finetune.config.names import METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, STRATEGIES
+from finetune.config.objectives import OBJECTIVES
 from finetune.errors import FinetuneError
 from finetune.models import catalog as model_catalog
 from finetune.plan import gpus as gpu_catalog
@@ -64,7 +65,7 @@ def catalog() -> dict:
                    for name, spec in model_catalog.REAL_MODELS.items()],
         "gpus": [{"name": name, "memory_gib": spec.memory_gib} for name, spec in gpu_catalog.GPUS.items()],
         "choices": {"method": list(METHODS), "strategy": list(STRATEGIES), "offload": list(OFFLOADS),
-                    "precision": list(PRECISIONS), "optimizer": list(OPTIMIZERS)},
+                    "precision": list(PRECISIONS), "optimizer": list(OPTIMIZERS), "objective": list(OBJECTIVES)},
         "strategy_labels": {name: strategy.label for name, strategy in STRATEGIES.items()},
     }
 

@@ -187,7 +187,8 @@ class Speed:
 def training_flops(w: Workload) -> tuple[float, float]:
     """(forward, backward) training FLOPs per token: 2 per matmul weight forward, 2 for input
     gradients, 2 per trainable weight for weight gradients, the forward of the layers checkpointing
-    recomputes again in the backward; attention adds 2·s·width per layer forward (causal half of QKᵀ
+    recomputes again in the backward, and a preference objective's forwards without gradients (its
+    reference's, KTO's mismatched rows); attention adds 2·s·width per layer forward (causal half of QKᵀ
     and AV) and twice that backward."""
     counts = count_params(w.model)
     adapters = 0 if w.method == "full" else trainable_params(w)
@@ -197,7 +198,9 @@ def training_flops(w: Workload) -> tuple[float, float]:
     forward = 2 * matmul + attention
     backward = 2 * matmul + 2 * trainable + 2 * attention
     recomputed = forward - 2 * (counts.head or counts.embedding)  # the decoder layers; the LM head runs once
-    return forward, backward + recomputed * w.recompute_share
+    # a preference objective's forwards without gradients (the reference's; KTO's mismatched rows) of the base
+    reference = w.forward_only_passes * (2 * counts.matmul + attention)
+    return forward + reference, backward + recomputed * w.recompute_share
 
 
 def attention_flops(w: Workload) -> float:
@@ -313,7 +316,7 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     layers = w.model.num_layers
     targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
     adapted = 0 if targets is None else sum(n * len(params.adapted(linears, targets)) for n, linears in params.layer_kinds(w.model))
-    passes = 1 + FORWARD_SHARE * w.recompute_share
+    passes = 1 + FORWARD_SHARE * (w.recompute_share + w.forward_only_passes)
     layer_s = c.layer_issue_s * LAYER_ISSUE_RELATIVE.get(w.model.model_type, 1.0)
     per_pass = (layers * layer_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
     return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
@@ -330,7 +333,7 @@ def loss_issue_seconds(w: Workload, c: Calibration) -> float:
     """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
     fewer tokens the larger the vocabulary (config.switches.chunk_tokens), each kernel at a decoder layer's
     issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
-    if w.loss != "finetune-chunked":
+    if w.loss_form != "finetune-chunked":
         return 0.0
     chunks = math.ceil(w.tokens_per_micro_batch / chunk_tokens(w.model.vocab_size))
     return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)

@@ -132,25 +132,28 @@ def layer_kernels(spec: ModelSpec) -> int:
 
 
 def kernel_launches(w: Workload) -> float:
-    """Kernels one micro-batch launches in its decoder layers: forward, the recomputed forward, and
-    the backward."""
+    """Kernels one micro-batch launches in its decoder layers: forward, the recomputed forward, a
+    preference objective's forwards without gradients (Workload.forward_only_passes), and the backward."""
     linears = len(layer_linears(w.model))
     lora = 0 if w.method == "full" else len(adapted(layer_linears(w.model), resolve_lora_targets(w.model, w.lora_targets, w.method)))
     forward = LAYER_KERNELS[kernels(w)] + linears + lora * (ADAPTER_KERNELS + (w.method == "qlora"))
-    return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS) + dequantizations(w) * DEQUANT_KERNELS
+    passes = 1 + w.recompute_share + w.forward_only_passes + BACKWARD_KERNELS
+    return w.model.num_layers * forward * passes + dequantizations(w) * DEQUANT_KERNELS
 
 
 def dequantizations(w: Workload) -> float:
-    """4-bit linears dequantized per micro-batch: each in the forward, the backward and any recompute."""
+    """4-bit linears dequantized per micro-batch: each in the forward, the backward, any recompute and
+    any forward without gradients."""
     if w.method != "qlora":
         return 0.0
     quantized = [linear for linear in layer_linears(w.model) if linear.quantized]
-    return w.model.num_layers * len(quantized) * (2 + w.recompute_share)
+    return w.model.num_layers * len(quantized) * (2 + w.recompute_share + w.forward_only_passes)
 
 
 def dequantized_bytes(w: Workload) -> float:
     """Bytes bitsandbytes moves per micro-batch turning the 4-bit base into 16-bit weights."""
-    return count_params(w.model).quantizable * DEQUANT_BYTES * (2 + w.recompute_share) if w.method == "qlora" else 0.0
+    passes = 2 + w.recompute_share + w.forward_only_passes
+    return count_params(w.model).quantizable * DEQUANT_BYTES * passes if w.method == "qlora" else 0.0
 
 
 def traffic(w: Workload) -> Traffic:
@@ -159,7 +162,7 @@ def traffic(w: Workload) -> Traffic:
     vocabulary, per token; per micro-batch, QLoRA's dequantizations (forward, backward, recompute),
     autocast's weight casts and the weight gradients' writes."""
     spec = w.model
-    passes = 1 + w.recompute_share + BACKWARD_TRAFFIC
+    passes = 1 + w.recompute_share + w.forward_only_passes + BACKWARD_TRAFFIC
     per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)]
     counts = count_params(spec)
     per_micro_batch = dequantized_bytes(w)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from finetune.config.names import PRECISIONS, STRATEGIES, Method, Offload, Optimizer, Precision, Strategy, named
+from finetune.config.objectives import OBJECTIVES, Objective, log_prob_form, precomputes_reference, reference_kind
 from finetune.errors import FinetuneError
 from finetune.models.catalog import ModelSpec
 from finetune.plan.gpus import GPUSpec
@@ -44,6 +45,8 @@ class Workload:
     tp: int = 1  # tensor parallel: each group of tp GPUs splits every linear layer (plan/parallel.py)
     cp: int = 1  # context parallel: each group of cp GPUs splits every row's tokens
     efficient_loading: bool = True  # FSDP: one process per node reads the checkpoint (cpu_ram_efficient_loading)
+    objective: str = "sft"  # config.objectives.OBJECTIVES: a micro-batch of pairs runs twice the sequences
+    precompute_reference: bool = False  # the reference's log-probabilities computed before training (no copy, no forward)
     # How the training code behaves; defaults are finetune's (transformers 5 + PEFT + bitsandbytes
     # ≥ 0.43.2 + torch AdamW). The calibration bench sets them to reproduce other frameworks' runs.
     adapter_bytes: int = 4  # PEFT upcasts LoRA weights to fp32 when the base is 16-bit
@@ -107,8 +110,33 @@ class Workload:
         return self.recomputed_layers / self.model.num_layers
 
     @property
+    def objective_row(self) -> Objective:
+        return OBJECTIVES[self.objective]
+
+    @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch_size * self.seq_len
+        """Tokens that run forward and backward per micro-batch: a preference pair's two sequences."""
+        return self.micro_batch_size * self.objective_row.sequences * self.seq_len
+
+    @property
+    def forward_only_passes(self) -> int:
+        """Forwards without gradients per micro-batch, each of as many tokens as the trained ones: the
+        reference's (none when precomputed), and KTO's mismatched rows through the policy."""
+        o = self.objective_row
+        reference = 0 if self.precompute_reference else o.reference_sequences
+        return (reference + o.policy_no_grad_sequences) // o.sequences
+
+    @property
+    def reference_copy(self) -> bool:
+        """Full fine-tuning holds a frozen copy of the weights as its reference, unless it is precomputed
+        (LoRA's reference is its base with the adapters off)."""
+        return reference_kind(self.objective, self.precompute_reference, self.method) == "frozen copy"
+
+    @property
+    def loss_form(self) -> str:
+        """How the run holds its log-probabilities (config.switches.LOSSES): a preference objective's
+        through the LM head in chunks wherever the supervised run would not hold the logits."""
+        return log_prob_form(self.loss) if self.objective_row.preference else self.loss
 
     def with_micro_batch(self, micro_batch_size: int) -> Workload:
         return replace(self, micro_batch_size=micro_batch_size)
@@ -140,4 +168,6 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
         # compilation is off unless asked for
         loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile),
+        objective=config.objective,
+        precompute_reference=precomputes_reference(config.objective, config.precompute_reference, config.method),
     )

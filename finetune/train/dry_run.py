@@ -19,6 +19,7 @@ from pathlib import Path
 
 from finetune.config.flags import command_line
 from finetune.config.names import trains_pure_bf16
+from finetune.config.objectives import reference_kind
 from finetune.config.resolve import Device, ResolvedRun
 from finetune.errors import FinetuneError
 from finetune.plan import gpus as gpu_catalog
@@ -60,7 +61,8 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                       gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
                       lora_r=w.lora_r, lora_targets=w.lora_targets,
-                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp)
+                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp,
+                      objective=w.objective, precompute_reference=w.precompute_reference)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))
 
@@ -149,15 +151,18 @@ def built_states(run: ResolvedRun, built: Built | None = None) -> ModelStates:
     already 16-bit, so the cast leaves its packed size alone."""
     built = built or build(run)
     pure_bf16 = trains_pure_bf16(run.precision, run.config.method)
+    e = run.precision.compute_bytes
+    # a frozen copy of every weight the trainer built, in the compute dtype (train/reference.frozen_copy)
+    copy = reference_kind(run.config.objective, run.config.precompute_reference, run.config.method) == "frozen copy"
+    reference = (built.frozen_float_numel + built.trainable_numel) * e if copy else 0.0
     if run.strategy.deepspeed and (run.precision.autocast or pure_bf16):
-        e = run.precision.compute_bytes
         states = built.optimizer_bytes / built.trainable_bytes  # optimizer-state bytes per trainable weight byte
         return ModelStates(frozen=built.frozen_float_numel * e + built.frozen_other_bytes,
                            quant_constants=built.buffer_bytes, trainable=built.trainable_numel * e,
-                           gradients=built.trainable_numel * e,
+                           gradients=built.trainable_numel * e, reference=reference,
                            optimizer=built.trainable_numel * deepspeed_optimizer_bytes(pure_bf16, states), step_scratch=0.0)
     return ModelStates(frozen=built.frozen_bytes, quant_constants=built.buffer_bytes, trainable=built.trainable_bytes,
-                       gradients=built.trainable_bytes, optimizer=built.optimizer_bytes, step_scratch=0.0)
+                       gradients=built.trainable_bytes, optimizer=built.optimizer_bytes, step_scratch=0.0, reference=reference)
 
 
 def _bytes(tensor) -> int:

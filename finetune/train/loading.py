@@ -20,12 +20,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from finetune.config.objectives import OBJECTIVES
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import ResolvedRun
 from finetune.errors import FinetuneError
 from finetune.models import catalog, families, gguf_import
 from finetune.models.source import ModelSource
-from finetune.train import chunked_loss
+from finetune.train import chunked_loss, log_probs
 
 
 def materialize(model: ModelSource, seed: int = 0) -> str:
@@ -235,8 +236,7 @@ def build_skeleton(run: ResolvedRun):
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    hf_config = (AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None
-                 else AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code))
+    hf_config = skeleton_config(run)
     kwargs = model_kwargs(run)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=kwargs["dtype"],
@@ -257,10 +257,34 @@ def build_skeleton(run: ResolvedRun):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if run.switches(chunked_loss.head_problem(base)).chunked_loss:  # as train.speedups installs it
         chunked_loss.install(base)
+    if OBJECTIVES[run.config.objective].preference:  # as train.run installs it
+        log_probs.install(base, log_probs.form_of(run, base))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         give_fake_storage(model)
     return model, fake_mode
+
+
+def skeleton_config(run: ResolvedRun):
+    """The Hugging Face config a skeleton is built from: the catalog's, else the model's own."""
+    if run.spec is not None:
+        return AutoConfig.for_model(**run.spec.to_hf_config_dict())
+    return AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
+
+
+def build_frozen_skeleton(run: ResolvedRun, fake_mode) -> torch.nn.Module:
+    """The frozen copy a preference objective holds as its reference (`load_frozen`, train/reference.py),
+    at full size on fake tensors of `fake_mode` (the policy skeleton's)."""
+    hf_config = skeleton_config(run)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, run.precision.compute),
+                                                 attn_implementation=families.attention_implementation(hf_config.model_type))
+    model.requires_grad_(False)
+    model.config.use_cache = False
+    log_probs.install(model, log_probs.form_of(run, model))
+    with fake_mode:
+        give_fake_storage(model)
+    return model.eval()
 
 
 def give_fake_storage(model: torch.nn.Module) -> None:

@@ -228,14 +228,15 @@ def preference_evaluation(accelerator: Accelerator, model: torch.nn.Module, eval
         policy, tokens = sequence_log_probs(model, batch)
         reference = objective.reference.log_probs(model, batch) if objective.reference else torch.zeros_like(policy)
         if paired:  # one row per pair: chosen and rejected side by side
-            values = [v.double().view(2, -1) for v in (policy, tokens, reference)]
-            columns.append(torch.cat(values).T)
+            table = torch.cat([v.double().view(2, -1) for v in (policy, tokens, reference)]).T
         else:
             kl = sequence_log_probs(model, batch, "kl_")[0] - objective.reference.log_probs(model, batch, "kl_")
-            columns.append(torch.stack([policy.double(), tokens.double(), reference.double(),
-                                        batch["desirable"].double(), kl.double()], dim=1))
-    table = accelerator.gather_for_metrics(torch.cat(columns))
-    return preference_numbers(objective, table, paired)
+            table = torch.stack([policy.double(), tokens.double(), reference.double(), batch["desirable"].double(),
+                                 kl.double()], dim=1)
+        # per batch, while the eval loader is Accelerate's active one: its last batch's padding is dropped by
+        # that loader's remainder (after the loop, a train loader that ended its epoch would be the active one)
+        columns.append(accelerator.gather_for_metrics(table))
+    return preference_numbers(objective, torch.cat(columns), paired)
 
 
 def preference_numbers(objective: Preference, table: torch.Tensor, paired: bool) -> dict:

@@ -1,6 +1,6 @@
 """The reference model of DPO and KTO (the weights before training), at the memory it needs.
 
-Three ways to have its log-probabilities, decided once per run (`reference_kind`):
+Three ways to have its log-probabilities, decided once per run (config/objectives.reference_kind):
 
 - adapters off (LoRA, QLoRA): the policy itself with its adapters disabled (PEFT's
   `disable_adapter()`), under no_grad: the base it adapts is the reference, so no second copy exists.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.config.objectives import OBJECTIVES, precomputes_reference
+from finetune.config.objectives import OBJECTIVES, reference_kind
 from finetune.data import content
 from finetune.train.log_probs import sequence_log_probs
 
@@ -41,16 +41,6 @@ if TYPE_CHECKING:
     from finetune.config.resolve import ResolvedRun
     from finetune.data import PreparedData
     from finetune.data.collate import PreferenceCollator
-
-
-def reference_kind(run: ResolvedRun) -> str | None:
-    """How `run` has its reference: "precomputed", "adapters off", "frozen copy", or None (no reference)."""
-    config = run.config
-    if not OBJECTIVES[config.objective].reference:
-        return None
-    if precomputes_reference(config.objective, config.precompute_reference, config.method):
-        return "precomputed"
-    return "frozen copy" if config.method == "full" else "adapters off"
 
 
 class Reference:
@@ -78,14 +68,15 @@ def build_reference(run: ResolvedRun, accelerator: Accelerator, model: torch.nn.
                     collators: tuple[PreferenceCollator, PreferenceCollator]) -> Reference | None:
     """The run's Reference (None without one). Precomputed: the values are computed (or read from the
     cache) now, with the policy as loaded, and handed to the train and eval `collators`."""
-    kind = reference_kind(run)
+    config = run.config
+    kind = reference_kind(config.objective, config.precompute_reference, config.method)
     if kind is None:
         return None
     if kind == "frozen copy":
         return Reference(kind, accelerator, frozen_copy(run, accelerator, model))
     if kind == "precomputed":
-        passing = Reference("frozen copy" if run.config.method == "full" else "adapters off", accelerator,
-                            model if run.config.method == "full" else None)
+        passing = Reference("frozen copy" if config.method == "full" else "adapters off", accelerator,
+                            model if config.method == "full" else None)
         for rows, collator in zip((data.train, data.eval), collators):
             collator.reference = precomputed(run, accelerator, model, passing, rows, data, collator)
     return Reference(kind, accelerator)

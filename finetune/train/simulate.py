@@ -81,13 +81,22 @@ def simulate(run: ResolvedRun) -> Simulation:
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
+    reference = loading.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
     with fake_mode:
         optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
         tracker = _frozen_aware(MemTracker)()
-        tracker.track_external(model, optimizer)
+        tracker.track_external(model, optimizer, *([] if reference is None else [reference]))
         with tracker:
-            _steps(run, model, optimizer, tracker)
+            _steps(run, model, optimizer, tracker, reference)
         return _result(tracker)
+
+
+def _holds_copy(run: ResolvedRun) -> bool:
+    """Whether the run holds a frozen copy of the weights as its reference (train/reference.py)."""
+    from finetune.config.objectives import reference_kind
+
+    config = run.config
+    return reference_kind(config.objective, config.precompute_reference, config.method) == "frozen copy"
 
 
 # How a TP or CP rank is simulated, printed beside the comparison.
@@ -141,19 +150,73 @@ def _frozen_aware(tracker_class):
     return FrozenAwareTracker
 
 
-def _steps(run: ResolvedRun, model, optimizer, tracker) -> None:
-    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision."""
+def _steps(run: ResolvedRun, model, optimizer, tracker, reference=None) -> None:
+    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision:
+    the objective's rows (a pair's two sequences) and forwards (the reference's: adapters off, the
+    frozen copy `reference`, or none when precomputed)."""
     import torch
 
     spec, batch = run.spec, run.batch
-    tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, run.config.max_seq_len))
+    objective = objective_of(run, reference)
+    rows = batch.micro_batch_size * objective.objective.sequences
+    tokens = torch.randint(0, spec.vocab_size, (rows, run.config.max_seq_len))
+    micro_batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens}
+    if objective.objective.policy_no_grad_sequences:  # KTO: each row's mismatched sequence, and its label
+        micro_batch.update(kl_input_ids=tokens, kl_attention_mask=torch.ones_like(tokens), kl_labels=tokens,
+                           desirable=torch.ones(rows, dtype=torch.bool))
+    micro_batch.update(reference_logps=torch.zeros(rows), reference_kl_logps=torch.zeros(rows))  # when precomputed
     autocast = torch.autocast("cpu", dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
     for _ in range(2):
         tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
         with autocast:
-            loss = model(input_ids=tokens, labels=tokens).loss
+            if objective.objective.preference:
+                loss = _preference_loss(objective, model, micro_batch, tracker, torch.tensor(batch.micro_batch_size))
+            else:
+                loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
+
+
+def _preference_loss(objective, model, micro_batch: dict, tracker, total):
+    """The loop's passes of one micro-batch, in its order: KTO's mismatched rows (policy, reference), the
+    reference, then the policy's forward and loss. MemTracker takes one call of a module per iteration,
+    so each pass of the policy before the last is one (the global peak is kept across them); a frozen
+    copy, another module, runs its forward in the loss as in the loop."""
+    from finetune.train.reference import Reference
+
+    reference = objective.reference
+    if reference is not None and reference.kind == "adapters off":
+        for prefix in ("", "kl_")[: 1 + objective.objective.policy_no_grad_sequences]:
+            micro_batch[f"reference_{prefix}logps"] = reference.log_probs(model, micro_batch, prefix)
+            tracker.reset_mod_stats()
+        objective.reference = Reference("precomputed", reference.accelerator)
+    if objective.objective.policy_no_grad_sequences:
+        objective.start_window(model, [micro_batch], _OneRank())
+        tracker.reset_mod_stats()
+    loss = objective.loss(model, micro_batch, total)[0]
+    objective.reference = reference
+    return loss
+
+
+class _OneRank:
+    """LossRanks of a simulated rank: what it sums over ranks is its own."""
+
+    def sum_over_rows(self, tensor):
+        return tensor
+
+
+def objective_of(run: ResolvedRun, reference=None):
+    """The loop's objective for `run` (train/objectives.py), its reference simulated as the run holds it."""
+    from types import SimpleNamespace
+
+    from finetune.config.objectives import reference_kind
+    from finetune.train.objectives import build_objective
+    from finetune.train.reference import Reference
+
+    config = run.config
+    kind = reference_kind(config.objective, config.precompute_reference, config.method)
+    unwrapped = SimpleNamespace(unwrap_model=lambda model: model)  # no Accelerator wraps a simulated model
+    return build_objective(config, None if kind is None else Reference(kind, unwrapped, reference))
 
 
 def _simulate_fsdp(run: ResolvedRun) -> Simulation:
@@ -173,20 +236,26 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
     try:
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
         model, fake_mode = loading.build_skeleton(run)
+        reference = loading.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
         with fake_mode:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            # the units Accelerate's transformer-based wrap makes: every module of a _no_split_modules class
-            for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+            for module, unit_policy in ((model, policy), (reference, MixedPrecisionPolicy())):
+                if module is None:
+                    continue
+                base = module.get_base_model() if hasattr(module, "get_base_model") else module
+                # the units Accelerate's transformer-based wrap makes: every module of a _no_split_modules class
+                for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
+                    fully_shard(layer, mesh=mesh, mp_policy=unit_policy)
+                fully_shard(module, mesh=mesh, mp_policy=unit_policy)
             # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
             # copies of the optimizer states (the planner's step scratch accounts for foreach)
             optimizer = build_optimizer(run.config, model, run.peak_lr)
             tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
+            if reference is not None:
+                tracker.track_external(reference)
             with tracker:
-                _steps(run, model, optimizer, tracker)
+                _steps(run, model, optimizer, tracker, reference)
             return _result(tracker)
     finally:
         dist.destroy_process_group()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO, reset_accelerate, tiny_model_dir, word_rows, write_jsonl
+from helpers import REPO, preempt_after, reset_accelerate, tiny_model_dir, word_rows, write_jsonl
 
 from finetune import cli
 from finetune.config.options import TrainConfig
@@ -27,18 +26,6 @@ from finetune.train.optim import LRSchedule
 from finetune.train.run import fit, resolve, setup
 
 STEPS = 7  # 12 examples / (micro 2 × accumulation 2) = 3 updates per epoch: stops at 2 and 3, end in epoch 3
-
-
-def preempt_after(optimizer, updates: int) -> None:
-    """Send this process SIGUSR1 right after optimizer update `updates`, as Slurm would mid-run."""
-    done = []
-
-    def count(*_) -> None:
-        done.append(1)
-        if len(done) == updates:
-            os.kill(os.getpid(), signal.SIGUSR1)
-
-    optimizer.optimizer.register_step_post_hook(count)  # the prepared optimizer's torch optimizer
 
 
 def train(output_dir, stop_at: int | None = None, resume: str | None = None) -> tuple[list[float], dict]:

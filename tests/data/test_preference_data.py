@@ -95,7 +95,8 @@ def test_conversational_rows_that_cannot_render_are_named(tokenizer, tmp_path):
     rows = [{"prompt": "p", "chosen": [{"role": "assistant", "content": "x"}], "rejected": [{"role": "assistant", "content": "y"}]}]
     with pytest.raises(FinetuneError, match=r"row 0: mixes plain text and messages; write prompt and answers the same way"):
         prepare(tokenizer, write_jsonl(tmp_path / "p.jsonl", rows * 2))
-    good = {"chosen": CHAT_PROMPT + [{"role": "assistant", "content": "5"}], "rejected": CHAT_PROMPT + [{"role": "assistant", "content": "6"}]}
+    good = {"chosen": CHAT_PROMPT + [{"role": "assistant", "content": "5"}],
+            "rejected": CHAT_PROMPT + [{"role": "assistant", "content": "6"}]}
     other_prompt = {**good, "rejected": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}
     with pytest.raises(FinetuneError, match=r"row 1: without a 'prompt', chosen and rejected must be conversations that differ only"):
         prepare(tokenizer, write_jsonl(tmp_path / "c.jsonl", [good, other_prompt, good]))

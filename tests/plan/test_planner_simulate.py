@@ -9,27 +9,19 @@ accepts) keep each simulation to seconds.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
+from helpers import shrunk_config_dir
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import FinetuneError
-from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.plan.memory import estimate
 from finetune.plan.workload import from_run
 from finetune.train.simulate import simulate
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
-
-
-def shrunk_model(directory, name: str, layers: int) -> str:
-    spec = replace(catalog.get(name), num_layers=layers)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
-    return str(directory)
 
 
 CASES = {  # name → (catalog shape, layers, training flags, processes under FSDP or 1)
@@ -62,7 +54,7 @@ CASES = {  # name → (catalog shape, layers, training flags, processes under FS
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_analytic_peak_within_10_percent_of_simulation(name, tmp_path):
     shape, layers, flags, processes = CASES[name]
-    config = TrainConfig(model=shrunk_model(tmp_path / "model", shape, layers), micro_batch_size=flags.pop("micro_batch_size", 1),
+    config = TrainConfig(model=shrunk_config_dir(tmp_path / "model", shape, layers), micro_batch_size=flags.pop("micro_batch_size", 1),
                          **flags)
     launch = Launch(world_size=processes, fsdp=True, fsdp_cpu_ram_efficient_loading=True) if processes > 1 else Launch()
     run = resolve_run(config, launch, H100)
@@ -71,7 +63,7 @@ def test_analytic_peak_within_10_percent_of_simulation(name, tmp_path):
 
 
 def test_simulate_refuses_what_cannot_run_on_fake_tensors(tmp_path):
-    model = shrunk_model(tmp_path / "model", "llama-7b", 2)
+    model = shrunk_config_dir(tmp_path / "model", "llama-7b", 2)
     with pytest.raises(FinetuneError, match="4-bit"):
         simulate(resolve_run(TrainConfig(model=model, method="qlora"), Launch(), H100))
     zero3 = tmp_path / "zero3.json"
@@ -87,7 +79,7 @@ def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_p
     from finetune.models.source import resolve_model
     from finetune.plan.choose import Request, plan
 
-    spec = resolve_model(shrunk_model(tmp_path / "model", "llama-7b", 2))
+    spec = resolve_model(shrunk_config_dir(tmp_path / "model", "llama-7b", 2))
     plans, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=2, method="lora", offload="none", seq_len=512))
     by_strategy = {p.workload.strategy.name: p for p in plans}
     text = simulation_text([by_strategy["zero2"], by_strategy["ddp"], by_strategy["fsdp"]], 0)

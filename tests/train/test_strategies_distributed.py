@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, retrain
+from helpers import REPO, rehearsal_runner, retrain
 from safetensors.torch import load_file
 
 from finetune.config.flags import parse_command
@@ -67,18 +67,7 @@ ADAPTER_TENSORS = {"tiny": 2 * 7 * 2, "tiny-moe": 2 * (4 + 2) * 2}
 @pytest.fixture(scope="module")
 def rehearsed(tmp_path_factory):
     """name → Rehearsal, each run once on first use and shared by the tests below."""
-    results: dict[str, rehearsal_outcome.Rehearsal] = {}
-
-    def run(name: str) -> rehearsal_outcome.Rehearsal:
-        if name not in results:
-            accelerate_config, flags = REHEARSALS[name]
-            workdir = tmp_path_factory.mktemp(name)
-            command = parse_command(["--model", "tiny", *flags])
-            results[name] = rehearse.rehearse(command.config, str(REPO / "accelerate_configs" / accelerate_config),
-                                              workdir, steps=STEPS, given=command.given)
-        return results[name]
-
-    return run
+    return rehearsal_runner(tmp_path_factory, REHEARSALS)
 
 
 @pytest.mark.parametrize("name", list(REHEARSALS))

@@ -115,28 +115,36 @@ def _other(rng: random.Random, right: str, candidates) -> str:
     return rng.choice([str(c) for c in candidates if str(c) != right])
 
 
-# task → a wrong answer to (input, right answer): what a model that has not learnt the task says
+# task → a wrong answer to (input, right answer): mostly the answer of a neighbouring task, the mistake a
+# model that confuses the two makes (a miscount for length, the other word for parity). Measured with the
+# `tiny` model, 4 epochs of DPO: answers that a neighbouring task gives are told apart on held-out rows far
+# sooner than random wrong values (84 % against 73 % overall, bench/RESULTS.md).
 WRONG: dict[str, Callable[[random.Random, str, str], str]] = {
     "length": lambda rng, text, right: _other(rng, right, range(1, 10)),
-    "max_digit": lambda rng, text, right: _other(rng, right, string.digits),
-    "min_digit": lambda rng, text, right: _other(rng, right, string.digits),
-    "add": lambda rng, text, right: _other(rng, right, range(19)),
-    "multiply": lambda rng, text, right: _other(rng, right, {int(text[0]) * b for b in range(10)} | {int(right) + 1}),
+    "max_digit": lambda rng, text, right: min(text),
+    "min_digit": lambda rng, text, right: max(text),
+    "add": lambda rng, text, right: _other_result(int(text[0]) * int(text[2]), right),
+    "multiply": lambda rng, text, right: _other_result(int(text[0]) + int(text[2]), right),
     "parity": lambda rng, text, right: "even" if right == "odd" else "odd",
-    "sort_digits": lambda rng, text, right: text if text != right else right[::-1],
-    "copy": lambda rng, text, right: _one_letter_changed(rng, right),
+    "sort_digits": lambda rng, text, right: text,
+    "copy": lambda rng, text, right: _sorted_or_reversed(right),
 }
 
 
-def _one_letter_changed(rng: random.Random, word: str) -> str:
-    at = rng.randrange(len(word))
-    return word[:at] + _other(rng, word[at], string.ascii_lowercase) + word[at + 1:]
+def _other_result(confused: int, right: str) -> str:
+    """The other operation's result, or one more where both agree (2+2 and 2*2)."""
+    return str(confused) if str(confused) != right else str(confused + 1)
+
+
+def _sorted_or_reversed(word: str) -> str:
+    """The word sorted (confusing copying with sorting), reversed if it is sorted already."""
+    return "".join(sorted(word)) if "".join(sorted(word)) != word else word[::-1]
 
 
 def generate_preference_rows(num_rows: int = NUM_ROWS, seed: int = PREFERENCE_SEED) -> list[dict[str, str]]:
     """prompt / chosen / rejected rows cycling through TASKS: the alpaca prompt of the task, its right
     answer chosen and a wrong one (`WRONG`) rejected. A row whose wrong answer would equal the right
-    one (sorting digits that are all the same) is drawn again."""
+    one (the largest of equal digits, sorting sorted digits, copying "aaa") is drawn again."""
     from finetune.data.formats import alpaca_prompt  # here: this package loads while finetune.data does
 
     rng = random.Random(seed)
