@@ -7,7 +7,12 @@ temperatures in °C as numbers, durations in seconds). SmolLM2-135M-Instruct has
 so before fine-tuning it answers in prose or with made-up JSON; exact match measures whether it
 learnt the schema. Deterministic: the same seed writes the same files.
 
-    python examples/smarthome/make_data.py [--train 400] [--test 50] [--seed 0] [--out DIR]
+It also writes the preference pairs of the demo's second stage into `../smarthome-preference/`: for
+every request of train and test, the right call chosen and the call with one typical mistake rejected
+(`MISTAKES`: a duration left in minutes, a room as spoken instead of its id, ...), as TRL's
+conversational prompt / chosen / rejected rows. Its test pairs are the same 50 held-out requests.
+
+    python examples/smarthome/make_data.py [--train 400] [--test 50] [--seed 0] [--out DIR] [--preference-out DIR]
 """
 
 from __future__ import annotations
@@ -79,6 +84,31 @@ def shopping(rng: random.Random) -> tuple[str, dict]:
 TASKS = (lights, dim, thermostat, timer, music, shopping)
 
 
+def spoken_room(room: str) -> str:
+    """A room as the user says it, not the API's id: "living room" for living_room, "Kitchen" for kitchen."""
+    spoken = {value: key for key, value in ROOMS.items()}[room]
+    return spoken if spoken != room else spoken.capitalize()
+
+
+# tool → the call with its typical mistake: the API's units and names not followed
+MISTAKES = {
+    "start_timer": lambda a: {**a, "seconds": a["seconds"] // 60},  # minutes, not converted to seconds
+    "set_lights": lambda a: {**a, "room": spoken_room(a["room"])},
+    "set_brightness": lambda a: {**a, "percent": a["percent"] / 100},  # a fraction, not percent
+    "set_temperature": lambda a: {**a, "celsius": round(a["celsius"] * 9 / 5 + 32)},  # Fahrenheit
+    "play_music": lambda a: {**a, "room": spoken_room(a["room"])},
+    "add_to_list": lambda a: {**a, "list": {v: k for k, v in LISTS.items()}[a["list"]]},  # "shopping list"
+}
+
+
+def preference_row(row: dict) -> dict:
+    """A chat row as a preference pair: its answer chosen, the answer with the tool's typical mistake rejected."""
+    *prompt, answer = row["messages"]
+    call = json.loads(answer["content"])
+    wrong = {"tool": call["tool"], "arguments": MISTAKES[call["tool"]](call["arguments"])}
+    return {"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": json.dumps(wrong)}]}
+
+
 def make_rows(count: int, rng: random.Random, exclude: set[str]) -> list[dict]:
     """`count` rows with distinct requests, none of them in `exclude` (which grows with them)."""
     rows = []
@@ -98,14 +128,20 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="folder to write (default: beside this file)")
+    parser.add_argument("--preference-out", type=Path, default=Path(__file__).parent.with_name("smarthome-preference"),
+                        help="folder for the preference pairs (default: ../smarthome-preference)")
     args = parser.parse_args()
     rng, seen = random.Random(args.seed), set()
     test = make_rows(args.test, rng, seen)  # held out first: no test request is ever a train request
     train = make_rows(args.train, rng, seen)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.preference_out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("test", test)):
         (args.out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"{args.out / name}.jsonl: {len(rows)} rows")
+        pairs = [preference_row(row) for row in rows]
+        (args.preference_out / f"{name}.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+        print(f"{args.preference_out / name}.jsonl: {len(pairs)} pairs")
 
 
 if __name__ == "__main__":

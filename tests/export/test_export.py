@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import train_steps
+from helpers import train_steps, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main as cli
@@ -69,6 +69,23 @@ def test_lora_export_as_adapter_and_merged(make_run, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     torch.testing.assert_close(logits(merged), trained, atol=1e-5, rtol=1e-5)  # W + BA vs Wx + B(Ax): rounding only
+
+
+def test_a_dpo_trained_adapter_exports_like_any_other(make_run, tmp_path):
+    """The adapter of a DPO run (whose reference was its own base, adapters off) reloads and merges to
+    the trained policy's logits; the forward it was given for log-probabilities does not travel."""
+    from peft import PeftModel
+
+    pairs = [{"prompt": f"w{i} w{i + 1}", "chosen": f"w{i + 2} w{i + 9}", "rejected": f"w{i + 30}"} for i in range(1, 25)]
+    run = make_run(method="lora", objective="dpo", save_every=2, dataset=str(write_jsonl(tmp_path / "pairs.jsonl", pairs)))
+    losses = train_steps(run, 2)
+    assert losses[0] == pytest.approx(0.693147, abs=1e-5) and losses[1] != losses[0]
+    trained = logits(run.model)
+    adapter = export(tmp_path / "out", tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_model"), adapter)
+    assert torch.equal(logits(reloaded), trained)
+    merged = AutoModelForCausalLM.from_pretrained(export(tmp_path / "out", tmp_path / "merged", merge_lora=True))
+    torch.testing.assert_close(logits(merged), trained, atol=1e-5, rtol=1e-5)
 
 
 def test_export_refusals(make_run, tmp_path):
