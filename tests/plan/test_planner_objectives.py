@@ -102,3 +102,16 @@ def test_analytic_peak_within_10_percent_of_simulated_preference_steps(name, tmp
     run = resolve_run(config, Launch(), H100)
     simulated = simulate(run).peak_bytes
     assert estimate(from_run(run, gpus.get("H100"))).allocated == pytest.approx(simulated, rel=0.10)
+
+
+def test_the_planner_page_takes_the_objective_as_the_flag_does():
+    from finetune.cli.plan import page_answer
+    from finetune.plan import serve
+
+    assert serve.catalog()["choices"]["objective"] == ["sft", "dpo", "simpo", "orpo", "kto"]
+    status, body = page_answer({"model": "llama-3.1-8b", "gpu": "H100-80GB", "count": "1", "method": "lora",
+                                "objective": "dpo"})
+    assert status == 200 and "--objective dpo" in body["command"]
+    assert {p["objective"] for p in body["result"]["plans"]} == {"dpo"}
+    status, body = page_answer({"q": "what fits on 2×A100 40GB", "objective": "dpo"})
+    assert status == 200 and all(p["objective"] == "dpo" for r in body["result"] for p in r["plans"])
