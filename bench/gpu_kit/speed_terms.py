@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
 import json
 import re
 import statistics
@@ -233,6 +234,18 @@ def run_all(args: argparse.Namespace, gpu, header: str) -> list[dict]:
     return results
 
 
+def chosen_cases(text: str) -> list[str]:
+    """--cases as case specs: a glob (`*`, `?`, `[`) stands for the default cases it matches, in their
+    order; each case once. Raises ValueError for a glob that matches none."""
+    chosen = []
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        found = [case for case in CASES if fnmatch.fnmatchcase(case, word)] if any(c in word for c in "*?[") else [word]
+        if not found:
+            raise ValueError(f"{word!r} matches no default case")
+        chosen += [case for case in found if case not in chosen]
+    return chosen
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("output") / "gpu-kit", help="where speed_terms.md and .csv go")
@@ -241,15 +254,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, help=f"epoch seconds: no case starts less than {MIN_CASE_SECONDS} s before")
     parser.add_argument("--dry-run", action="store_true", help="list the cases with their planned terms, run nothing")
     parser.add_argument("--gpu", help="catalog GPU the plan column is for (default: GPU 0; on CPU, H200)")
-    parser.add_argument("--cases", default=",".join(CASES), help="shape:method:seq:micro batch[:ckpt], comma-separated")
+    parser.add_argument("--cases", default=",".join(CASES), help="shape:method:seq:micro batch[:ckpt], or globs over the "
+                        f"default cases (e.g. 'qwen2.5-*', '*:lora:*'), comma-separated, run in that order: {', '.join(CASES)}")
     parser.add_argument("--warmup", type=int, default=2, help="micro-batches before timing")
     parser.add_argument("--steps", type=int, default=5, help="timed micro-batches (the median counts)")
     parser.add_argument("--profiled", type=int, default=2, help="micro-batches under torch.profiler (CUDA only)")
     args = parser.parse_args(argv)
     try:
-        args.cases = tuple(Case.parse(text) for text in args.cases.split(","))
-    except ValueError:
-        parser.error(f"--cases: each is shape:method:seq:micro batch[:ckpt], got {args.cases!r}")
+        args.cases = tuple(Case.parse(text) for text in chosen_cases(args.cases))
+    except ValueError as e:
+        parser.error(f"--cases: each is shape:method:seq:micro batch[:ckpt] or a glob over the default cases, got {args.cases!r}"
+                     + (f" ({e})" if "matches" in str(e) else ""))
     if min(args.steps, args.profiled) < 1:
         parser.error("--steps and --profiled must be at least 1")
     return args
