@@ -68,6 +68,7 @@ step "environment"
   date -u
   python -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"
   nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+  df -h "$WORK" 2>&1
   python -m pip list 2>/dev/null
 } > "$LOGS/environment.txt"
 head -2 "$LOGS/environment.txt"

@@ -1,4 +1,4 @@
-"""Where a micro-batch's time goes, term by term, beside the speed model's terms (issue 30).
+"""Where a micro-batch's time goes, term by term, beside the speed model's terms.
 
     python bench/gpu_kit/speed_terms.py --out DIR [--deadline EPOCH_SECONDS]   # on the GPU (bench/gpu_kit/run.sh)
     python bench/gpu_kit/speed_terms.py --dry-run [--gpu H200]                 # the cases and their planned terms
@@ -6,7 +6,7 @@
 The speed model (finetune/plan/speed.py) plans a micro-batch from the host's issue time per decoder
 layer and the GPU's time by term: matmul FLOPs, attention, memory-bound bytes, a cost per kernel.
 It is fitted to whole runs, so a miss does not say which term it comes from: Qwen2.5 runs ran
-1.7–2.2× slower than planned where a Llama-3.2-3B run ran 1.1× (issue 30). This script measures the
+1.7–2.2× slower than planned where a Llama-3.2-3B run ran 1.1×. This script measures the
 terms one by one. Each case trains, with the trainer's own pieces (as defaults.py), a 2-layer and a
 4-layer cut of a full-width shape: half their difference is one decoder layer; what the 2-layer cut
 spends beyond two layers is the rest (embedding, LM head and loss over the vocabulary). For each it
@@ -66,7 +66,7 @@ from finetune.train.dry_run import device_of  # noqa: E402
 from finetune.train.optim import build_optimizer  # noqa: E402
 from finetune.train.run import this_device  # noqa: E402
 
-# shape:method:seq:micro batch[:ckpt] — the held-out shapes of issue 30, then two measured anchors
+# shape:method:seq:micro batch[:ckpt] — the shapes the speed model planned worst, then two measured anchors
 CASES = ("qwen2.5-1.5b:lora:2048:1", "qwen2.5-1.5b:full:2048:1", "llama-3.2-3b:lora:1024:1", "qwen2.5-7b:qlora:2048:2",
          "llama-3.2-1b:lora:512:1", "mistral-7b:lora:4096:2:ckpt")
 CUTS = (2, 4)  # decoder layers of the two cuts: half their difference is one layer

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import json
 import os
@@ -161,7 +162,8 @@ def describe(row: Row, args: argparse.Namespace) -> str:
 
 
 def dry_run(args: argparse.Namespace) -> None:
-    print(f"{len(args.rows)} rows on {args.gpu_spec.name}, {args.steps} updates each (LoRA r16 alpha 32, bf16):")
+    print(f"{len(args.rows)} row{'s' * (len(args.rows) != 1)} on {args.gpu_spec.name}, {args.steps} updates each "
+          "(LoRA r16 alpha 32, bf16):")
     for row in args.rows:
         plan = planned(row, args)
         rate = plan["planned_tokens_per_second"]
@@ -171,16 +173,28 @@ def dry_run(args: argparse.Namespace) -> None:
         print(f"  {row.id:<28} {describe(row, args)}\n      {text}{published}\n      $ python {shlex.join(python_args(row, args))}")
 
 
-def prepare(row: Row, args: argparse.Namespace, runner: RowRunner) -> None:
-    """The row's text rows and random-init checkpoint, written once in --work (raises OSError)."""
+def prepare(row: Row, args: argparse.Namespace, runner: RowRunner, later: set[str]) -> None:
+    """The row's text rows and random-init checkpoint, written once in --work. Short of disk, the
+    checkpoints no later row (`later`: their shapes' names) needs make room first. Raises OSError."""
     memory.write_text_data(data(row.shape, args), row.shape.seq_len)
-    memory.random_checkpoint(row.shape.model, args.work / "random-init", seconds_left(args, 900), runner, row.shape.layers)
+    write = functools.partial(memory.random_checkpoint, row.shape.model, args.work / "random-init",
+                              seconds_left(args, 900), runner, row.shape.layers)
+    try:
+        write()
+    except OSError as e:
+        unneeded = [c for c in (args.work / "random-init").glob("*/") if c.name not in later | {row.shape.name}]
+        if "of disk needed" not in str(e) or not unneeded:
+            raise
+        print(f"{e}: deleting {', '.join(c.name for c in unneeded)}, which no later row needs", flush=True)
+        for folder in unneeded:
+            shutil.rmtree(folder)
+        write()
 
 
-def measure(row: Row, args: argparse.Namespace, runner: RowRunner) -> dict:
+def measure(row: Row, args: argparse.Namespace, runner: RowRunner, later: set[str]) -> dict:
     """Run the row's process; its measured fields, or why it failed."""
     try:
-        prepare(row, args, runner)
+        prepare(row, args, runner, later)
     except OSError as e:
         return {"status": f"no checkpoint: {type(e).__name__}", "error": str(e)[:300]}
     out = run_dir(row, args)
@@ -198,8 +212,9 @@ def measure(row: Row, args: argparse.Namespace, runner: RowRunner) -> dict:
     return result | json.loads((out / "result.json").read_text())
 
 
-def run_one(row: Row, args: argparse.Namespace, runner: RowRunner, done: dict[tuple, dict]) -> dict:
-    """One row's result: skipped, not run, the same as an earlier row's run, or measured."""
+def run_one(row: Row, args: argparse.Namespace, runner: RowRunner, done: dict[tuple, dict], later: set[str]) -> dict:
+    """One row's result: skipped, not run, the same as an earlier row's run, or measured (`later`:
+    the shapes the rows after it train)."""
     reason = skip_reason(row, args.cuda)
     if reason:
         return {"status": f"skipped: {reason}"}
@@ -210,7 +225,7 @@ def run_one(row: Row, args: argparse.Namespace, runner: RowRunner, done: dict[tu
             "status": f"same run as {first['row']}" if first["status"] == "ok" else f"{first['status']} (as {first['row']})"}
     if args.deadline and args.deadline - time.time() < MIN_ROW_SECONDS:
         return {"status": "not run: time"}
-    result = measure(row, args, runner)
+    result = measure(row, args, runner, later)
     if same is not None:
         done[same] = result | {"row": row.id}
     return result
@@ -224,10 +239,10 @@ def run_rows(args: argparse.Namespace) -> int:
     for folder in (args.out, args.logs):
         folder.mkdir(parents=True, exist_ok=True)
     runner, done, results = RowRunner(fork=not args.no_fork), {}, []
-    for row in args.rows:
+    for index, row in enumerate(args.rows):
         result = {"row": row.id, "shape": row.shape.label, "program": row.program, "flags": describe(row, args),
                   "allocator": allocator, **planned(row, args)}
-        result |= run_one(row, args, runner, done)
+        result |= run_one(row, args, runner, done, {later.shape.name for later in args.rows[index + 1:]})
         results.append(result)
         print(table_line(result), flush=True)
         write_results(results, args)

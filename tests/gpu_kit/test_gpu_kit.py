@@ -4,24 +4,23 @@ predictions, and run.sh installs and stops cleanly where CUDA is first needed.""
 
 import csv
 import dataclasses
-import json
 import os
-import shlex
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows, write_jsonl
+from helpers import REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows, write_jsonl
 
 KIT = REPO / "bench/gpu_kit"
 sys.path.insert(0, str(KIT))
 
 import memory  # noqa: E402
 import wheels  # noqa: E402
-from forked import RowRunner  # noqa: E402
+from forked import RowRunner, run_logged  # noqa: E402
 
 from finetune.train.metrics import read_metrics  # noqa: E402
 
@@ -169,11 +168,15 @@ def test_run_sh_installs_and_stops_before_cuda(tmp_path):
     env = os.environ | {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "OUT": str(out), "KIT_WHEELS": str(shipped),
                         "KIT_WORK": str(tmp_path / "work")}
     result = subprocess.run(["bash", str(KIT / "run.sh")], env=env, capture_output=True, text=True, timeout=600)
-    log = (out / "run.log").read_text()
+    assert [p.name for p in out.iterdir()] == ["logs.tar.gz"], result.stdout[-3000:]  # every log in one file
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        logs = {Path(m.name).name: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
+    assert set(logs) == {"run.log", "environment.txt", "pip-check.txt"}
+    log = logs["run.log"]
     assert result.returncode == 3, log[-3000:]
     assert "installed 1 wheel(s): gpukit-probe" in log and "already installed, kept: tqdm" in log
     assert "no CUDA device: stopping before the GPU steps" in log and "pytest -m gpu" not in log
-    assert "torch" in (out / "environment.txt").read_text()
+    assert "torch" in logs["environment.txt"]
     python = str(venv / "bin/python")
     check = "import gpukit_probe, tqdm, finetune; print(gpukit_probe.VERSION, tqdm.__version__ != '0.0.1', finetune.__file__)"
     printed = subprocess.run([python, "-c", check], capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
@@ -196,7 +199,8 @@ def row_flags(model: Path, data: Path, output_dir: Path, *extra: str) -> list[st
 
 def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
     """Rows forked from the preloaded server: each trains and writes its metrics and log; a row with a
-    bad flag reports finetune's one-line error and exit code; one past its time is killed."""
+    bad flag reports finetune's one-line error and exit code; a script runs as `python script.py`
+    would; one past its time prints its Python stack into its log and is killed."""
     model, data = tiny_model_dir(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
     runner = RowRunner()
     for name in ("first", "second"):
@@ -212,10 +216,21 @@ def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
     assert "--micro-batch-size must be ≥ 1" in (bad / "run.log").read_text()
     code = runner.run(["-c", "import sys; print('args', sys.argv[1:])", "a", "b"], tmp_path / "code.log", timeout_s=60)
     assert code["status"] == "ok" and "args ['a', 'b']" in (tmp_path / "code.log").read_text()
+    script = tmp_path / "script.py"
+    script.write_text("import sys; print('script', __name__, sys.argv[1:], sys.path[0])\n")
+    ran = runner.run([str(script), "a"], tmp_path / "script.log", timeout_s=60)
+    assert ran["status"] == "ok" and f"script __main__ ['a'] {tmp_path}" in (tmp_path / "script.log").read_text()
     slow = tmp_path / "slow"
     slow.mkdir()
     assert runner.run(["-m", "finetune", *row_flags(model, data, slow, "--max-steps", "100000")], slow / "run.log",
                       timeout_s=2)["status"] == "timeout"
+    assert "(most recent call first)" in (slow / "run.log").read_text()
+
+
+def test_a_subprocess_row_past_its_time_prints_its_stack(tmp_path):
+    result = run_logged([sys.executable, "-c", "import time\ndef waiting(): time.sleep(60)\nwaiting()"], tmp_path / "run.log", 2)
+    assert result["status"] == "timeout" and result["seconds"] < 30
+    assert "(most recent call first)" in (tmp_path / "run.log").read_text() and "waiting" in (tmp_path / "run.log").read_text()
 
 
 def test_a_row_that_cannot_use_cuda_after_fork_runs_as_a_subprocess(tmp_path, monkeypatch):
@@ -283,6 +298,8 @@ def test_peft_loop_trains_lora_with_fused_adamw(text_rows):
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     assert optimizer.defaults["fused"] is True and model.base_model.model.is_gradient_checkpointing
+    plain, _ = baselines.peft_loop(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)), checkpointing=False)
+    assert not plain.base_model.model.is_gradient_checkpointing
     lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
     assert not lora_b.any()  # PEFT starts B at zero
     seconds, losses = baselines.train_loop(model, optimizer, rows, micro_batch_size=2, steps=3)
@@ -307,6 +324,10 @@ def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
         assert config.gradient_checkpointing_kwargs == {"use_reentrant": False} and config.optim == "adamw_torch_fused"
         assert (config.max_length, config.packing, config.padding_free, config.use_liger_kernel) == (4096, False, False, liger)
         assert (config.save_strategy, config.eval_strategy, config.max_grad_norm) == ("no", "no", 1.0)
+    without = baselines.sft_config(tmp_path, micro_batch_size=2, steps=6, seq_len=4096, liger=True, checkpointing=False)
+    assert not without.gradient_checkpointing  # the anchor's shape: no recompute
+    assert not baselines.parse_args(["trl", "--checkpoint", "c", "--data", "d", "--seq-len", "8", "--micro-batch-size", "1",
+                                     "--steps", "2", "--no-gradient-checkpointing", "--result", "r"]).gradient_checkpointing
 
 
 def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_rows, tmp_path):
@@ -329,9 +350,12 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
 
 def kit_rows(tmp_path: Path, script: str, *flags: str) -> list[dict]:
     """bench/gpu_kit/<script>.py run with `flags` (in its own process: it sets the allocator before
-    torch loads), its <script>.csv read back."""
+    torch loads), its <script>.csv read back. One intra-op thread: on a loaded 2-core machine torch's
+    spinning worker threads made a tiny cut's micro-batch take 0.2–4.4 s instead of 25–55 ms, and the
+    4-layer cut time less than the 2-layer one."""
     done = subprocess.run([sys.executable, str(KIT / f"{script}.py"), "--out", str(tmp_path / "out"), "--work",
-                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return list(csv.DictReader((tmp_path / f"out/{script}.csv").open()))
 
@@ -420,3 +444,61 @@ def test_speed_terms_sort_kernels_into_the_models_terms(monkeypatch):
     assert times == pytest.approx({"matmul_ms": 0.2, "attention_ms": 0.1, "dequant_ms": 0.02, "other_ms": 0.03,
                                    "busy_ms": 0.35, "kernels": 2.5})
     assert speed_terms.parts({"host_ms": 30.0}, {"host_ms": 14.0}) == {"per layer": {"host_ms": 8.0}, "rest": {"host_ms": -2.0}}
+
+
+def test_speed_terms_cases_are_picked_by_spec_or_glob_over_the_defaults(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the import sets the allocator: undone after the test
+        monkeypatch.delenv(name, raising=False)
+    import speed_terms
+
+    assert speed_terms.chosen_cases("mistral-*,*:qlora:*,tiny:lora:32:2,qwen2.5-7b*") == [
+        "mistral-7b:lora:4096:2:ckpt", "qwen2.5-7b:qlora:2048:2", "tiny:lora:32:2"]
+    with pytest.raises(ValueError, match="'gemma-\\*' matches no default case"):
+        speed_terms.chosen_cases("gemma-*")
+    assert [c.label for c in speed_terms.parse_args(["--cases", "llama-*"]).cases] == ["llama-3.2-3b lora s1024 b1",
+                                                                                        "llama-3.2-1b lora s512 b1"]
+
+
+def test_memory_rows_are_picked_by_glob_over_their_labels(tmp_path):
+    picked = "qwen2.5-1.5b-qlora-*-b?-ckpt,*-full-s512-b4-no-ckpt"
+    result = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--rows", picked, "--models", "qwen2.5-1.5b,llama-3.2-1b",
+                             "--out", str(tmp_path), "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    labels = {memory.Row(r["model"], r["method"], int(r["seq_len"]), r["gradient_checkpointing"] == "True",
+                         int(r["micro_batch_size"])).label for r in csv.DictReader((tmp_path / "memory.csv").open())}
+    assert labels == {"qwen2.5-1.5b-qlora-s2048-b4-ckpt", "qwen2.5-1.5b-qlora-s2048-b1-ckpt", "qwen2.5-1.5b-qlora-s512-b1-ckpt",
+                      "qwen2.5-1.5b-qlora-s512-b4-ckpt", "qwen2.5-1.5b-full-s512-b4-no-ckpt", "llama-3.2-1b-full-s512-b4-no-ckpt"}
+    failed = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--rows", "nothing-*", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and "--rows 'nothing-*' matches no row of the grid" in failed.stderr
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.gpu_kit.test_gpu" name="test_tiny_trains_on_cuda[full]" time="6.21" />
+<testcase classname="tests.gpu_kit.test_gpu" name="test_resume_on_cuda_repeats_the_uninterrupted_losses" time="9.5">
+<failure message="AssertionError: assert [3, 4] == [3]&#10;more">trace</failure></testcase>
+<testcase classname="tests.gpu_kit.test_gpu" name="test_zero2_offload_in_one_process" time="0.01">
+<skipped type="pytest.skip" message="not run: the kit's time for the GPU tests ran out first (KIT_TEST_SECONDS)">x</skipped>
+</testcase></testsuite></testsuites>"""
+
+
+def test_gpu_tests_summary_from_pytests_report_or_from_its_log(tmp_path):
+    """gpu-tests.md and .csv: one line per test from the JUnit XML; where pytest was killed before
+    writing it, from its -v log, the test it was in named as not finished."""
+    import gpu_tests
+
+    (tmp_path / "report.xml").write_text(JUNIT)
+    gpu_tests.main(["--xml", str(tmp_path / "report.xml"), "--log", str(tmp_path / "none.log"), "--out", str(tmp_path / "a")])
+    rows = list(csv.DictReader((tmp_path / "a/gpu-tests.csv").open()))
+    assert [(r["outcome"], r["seconds"]) for r in rows] == [("passed", "6.2"), ("failed", "9.5"), ("skipped", "0.0")]
+    assert rows[1]["detail"] == "AssertionError: assert [3, 4] == [3]" and rows[2]["detail"].startswith("not run: the kit's time")
+    summary = (tmp_path / "a/gpu-tests.md").read_text()
+    assert summary.startswith("`pytest -m gpu tests/gpu_kit/test_gpu.py`: 1 passed, 1 failed, 1 skipped; 16 s")
+    (tmp_path / "gpu.log").write_text("collected 11 items\n\ntests/gpu_kit/test_gpu.py::test_tiny_trains_on_cuda[full] PASSED [  9%]\n"
+                                      "tests/gpu_kit/test_gpu.py::test_fsdp2_in_one_process FAILED [ 18%]\n"
+                                      "tests/gpu_kit/test_gpu.py::test_resume_on_cuda_repeats_the_uninterrupted_losses ")
+    gpu_tests.main(["--xml", str(tmp_path / "none.xml"), "--log", str(tmp_path / "gpu.log"), "--out", str(tmp_path / "b")])
+    rows = list(csv.DictReader((tmp_path / "b/gpu-tests.csv").open()))
+    assert [(r["test"], r["outcome"]) for r in rows] == [
+        ("test_tiny_trains_on_cuda[full]", "passed"), ("test_fsdp2_in_one_process", "failed"),
+        ("test_resume_on_cuda_repeats_the_uninterrupted_losses", "not finished")]

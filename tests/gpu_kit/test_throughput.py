@@ -202,3 +202,22 @@ def test_a_cut_checkpoint_keeps_the_catalog_width_with_fewer_layers(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert folder.name == "tiny-1-layers" and config["num_hidden_layers"] == 1
     assert config["hidden_size"] == rows.Shape("tiny").spec.hidden_size and (folder / "model.safetensors").is_file()
+
+
+def test_short_of_disk_the_checkpoints_no_later_row_needs_make_room(tmp_path, monkeypatch):
+    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path), "--gpu", "H200"])
+    for name in ("mistral-7b", "gpt-oss-20b-2-layers", "llama-3.1-8b"):
+        (tmp_path / "random-init" / name).mkdir(parents=True)
+    calls = []
+
+    def write(model, cache, timeout_s, runner, layers):
+        calls.append(sorted(p.name for p in cache.iterdir()))
+        if len(calls) == 1:
+            raise OSError(f"16 GiB of disk needed for the random-init {model} in {cache}")
+
+    monkeypatch.setattr(memory, "random_checkpoint", write)
+    throughput.prepare(rows.select("anchor")[0], args, RowRunner(fork=False), later={"mistral-7b"})
+    assert calls == [["gpt-oss-20b-2-layers", "llama-3.1-8b", "mistral-7b"], ["llama-3.1-8b", "mistral-7b"]]
+    monkeypatch.setattr(memory, "random_checkpoint", lambda *a: (_ for _ in ()).throw(OSError("16 GiB of disk needed")))
+    with pytest.raises(OSError, match="of disk needed"):  # nothing left that no later row needs
+        throughput.prepare(rows.select("anchor")[0], args, RowRunner(fork=False), later={"mistral-7b"})
