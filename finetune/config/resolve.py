@@ -20,7 +20,7 @@ from finetune.config import deepspeed_json
 from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
-from finetune.config.switches import Switches, resolve_switches
+from finetune.config.switches import Switches, fp8_problem, resolve_switches
 from finetune.errors import ConfigError
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
@@ -145,6 +145,7 @@ class Device:
     cuda: bool = False
     name: str | None = None  # e.g. "NVIDIA A100-SXM4-40GB"
     bf16: bool = False
+    fp8: bool = False  # runs NVIDIA's float8 matmuls (compute capability ≥ 8.9): --fp8
     free_bytes: int | None = None
     total_bytes: int | None = None
 
@@ -247,6 +248,8 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy, offload)
     check_attention(config.attention, device)
+    if config.fp8 and (why := fp8_problem(config.method, precision.name, strategy, device.fp8, parallelism.tp)):
+        raise ConfigError(why)
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
