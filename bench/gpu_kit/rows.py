@@ -13,7 +13,9 @@ alpha 32). The program:
   `flags`: baselines.py's, such as --liger for TRL's use_liger_kernel).
 
 FIRST holds what the next GPU must answer (finetune's best plan beside TRL + Liger, the anchor's
-exact shape, the mixture-of-experts cuts); REST the A/B rows and the other programs. `--rows`
+exact shape in bf16 and with the frozen base in float8 matmuls, the mixture-of-experts cuts); REST
+the A/B rows (each switch beside its twin without it), the other programs and the compiled rows
+(their first update compiles for a minute or more). `--rows`
 selects by id (globs too) or by group: `first`, `rest`, `all`.
 """
 
@@ -94,6 +96,7 @@ FIRST = (
     Row("mistral-best", MISTRAL, plan=()),
     Row("mistral-trl-liger", MISTRAL, "trl", flags=("--liger",)),
     Row("anchor", LLAMA, plan=("--no-gradient-checkpointing",), published=NEMO),
+    Row("anchor-fp8", LLAMA, plan=("--no-gradient-checkpointing", "--fp8"), published=NEMO),
     Row("llama-best", LLAMA, plan=()),
     Row("qwen3-moe-lora", QWEN_MOE, plan=()),
     Row("qwen3-moe-qlora", replace(QWEN_MOE, method="qlora"), plan=()),
@@ -103,14 +106,18 @@ FIRST = (
 REST = (
     Row("mistral-ckpt-all", MISTRAL, flags=("--gradient-checkpointing", "--no-liger")),
     Row("mistral-ckpt-all-liger", MISTRAL, flags=("--gradient-checkpointing", "--liger")),
+    Row("mistral-ckpt-all-liger-fp8", MISTRAL, flags=("--gradient-checkpointing", "--liger", "--fp8")),
     Row("mistral-ckpt-planned", MISTRAL, plan=("--gradient-checkpointing", "--no-liger")),
     Row("mistral-ckpt-planned-liger", MISTRAL, plan=("--gradient-checkpointing", "--liger")),
     Row("mistral-trl", MISTRAL, "trl"),
     Row("anchor-trl-liger", LLAMA, "trl", flags=("--liger", "--no-gradient-checkpointing")),
     Row("mistral-peft-loop", MISTRAL, "peft-loop"),
     Row("mistral-ckpt-all-own-loss", MISTRAL, flags=("--gradient-checkpointing", "--no-liger", "--no-chunked-loss")),
+    Row("mistral-best-fp8", MISTRAL, plan=("--fp8",)),
     Row("mistral-best-compile", MISTRAL, plan=("--compile",)),
+    Row("mistral-best-fp8-compile", MISTRAL, plan=("--fp8", "--compile")),
     Row("anchor-compile", LLAMA, plan=("--no-gradient-checkpointing", "--compile"), published=NEMO),
+    Row("anchor-fp8-compile", LLAMA, plan=("--no-gradient-checkpointing", "--fp8", "--compile"), published=NEMO),
 )
 ROWS = FIRST + REST
 GROUPS = {"first": FIRST, "rest": REST, "all": ROWS}

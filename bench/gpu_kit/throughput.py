@@ -57,6 +57,7 @@ from finetune.cli import use_expandable_segments  # noqa: E402
 from finetune.config.flags import parse_config  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
 from finetune.config.switches import liger_problem  # noqa: E402
+from finetune.errors import FinetuneError  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.memory import GIB, estimate  # noqa: E402
 from finetune.plan.speed import estimate_speed  # noqa: E402
@@ -114,11 +115,25 @@ def workload(row: Row, args: argparse.Namespace) -> Workload:
     return replace(w, loss="liger") if row.liger else w
 
 
-def planned(row: Row, args: argparse.Namespace) -> dict:
-    """The plan's columns for a finetune row (the planner plans finetune, not the others) and the
-    published run beside any row."""
-    fields = {"published_tokens_per_second": row.published.tokens_per_second if row.published else None}
+@functools.cache
+def refusal(row: Row, gpu: gpus.GPUSpec, work: Path) -> str | None:
+    """Why finetune or its planner refuses a finetune row on `gpu` (--fp8 below compute capability
+    8.9, say), in one line, or None."""
     if row.program != "finetune":
+        return None
+    args = argparse.Namespace(gpu_spec=gpu, work=work, steps=2)
+    try:
+        workload(row, args)
+    except FinetuneError as e:
+        return " ".join(line.strip().removeprefix("- ") for line in str(e).splitlines() if line.strip())
+    return None
+
+
+def planned(row: Row, args: argparse.Namespace) -> dict:
+    """The plan's columns for a finetune row (the planner plans finetune, not the others; nothing
+    for a row it refuses) and the published run beside any row."""
+    fields = {"published_tokens_per_second": row.published.tokens_per_second if row.published else None}
+    if row.program != "finetune" or refusal(row, args.gpu_spec, args.work):
         return fields | {"planned_tokens_per_second": None}
     w = workload(row, args)
     memory_plan, speed = estimate(w), estimate_speed(w)
@@ -157,6 +172,8 @@ def describe(row: Row, args: argparse.Namespace) -> str:
         return f"{row.shape.label}, {row.program} {' '.join(row.flags)}".rstrip()
     if row.plan is None:
         return f"{row.shape.label}, finetune {' '.join(row.flags)}"
+    if refusal(row, args.gpu_spec, args.work):
+        return f"{row.shape.label}, finetune plan {' '.join(row.plan)}"
     chosen = table.plan_choices(row, args.gpu_spec)
     return f"{row.shape.label}, finetune plan {' '.join(row.plan)} → {' '.join(chosen) or 'no flags beyond the shape'}".replace("  ", " ")
 
@@ -167,10 +184,13 @@ def dry_run(args: argparse.Namespace) -> None:
     for row in args.rows:
         plan = planned(row, args)
         rate = plan["planned_tokens_per_second"]
+        refused = refusal(row, args.gpu_spec, args.work)
         text = (f"planned {rate:,.0f} tok/s ({plan['planned_low']:,}–{plan['planned_high']:,}), "
-                f"{plan['planned_allocated_gib']:.1f} GiB allocated" if rate else "not planned (another program)")
+                f"{plan['planned_allocated_gib']:.1f} GiB allocated" if rate else f"skipped: {refused}" if refused
+                else "not planned (another program)")
         published = f"; published {row.published.tokens_per_second:,.0f} ({row.published.source})" if row.published else ""
-        print(f"  {row.id:<28} {describe(row, args)}\n      {text}{published}\n      $ python {shlex.join(python_args(row, args))}")
+        command = "(refused: not run)" if refused else f"python {shlex.join(python_args(row, args))}"
+        print(f"  {row.id:<28} {describe(row, args)}\n      {text}{published}\n      $ {command}")
 
 
 def prepare(row: Row, args: argparse.Namespace, runner: RowRunner, later: set[str]) -> None:
@@ -215,7 +235,7 @@ def measure(row: Row, args: argparse.Namespace, runner: RowRunner, later: set[st
 def run_one(row: Row, args: argparse.Namespace, runner: RowRunner, done: dict[tuple, dict], later: set[str]) -> dict:
     """One row's result: skipped, not run, the same as an earlier row's run, or measured (`later`:
     the shapes the rows after it train)."""
-    reason = skip_reason(row, args.cuda)
+    reason = refusal(row, args.gpu_spec, args.work) or skip_reason(row, args.cuda)
     if reason:
         return {"status": f"skipped: {reason}"}
     same = tuple(python_args(row, args)[:-2]) if row.program == "finetune" else None  # the command without its output dir

@@ -44,6 +44,7 @@ def test_dry_run_lists_every_row_with_its_plan_and_command(tmp_path):
     assert len(lines) == 3 * len(rows.ROWS)
     for row, (title, plan, command) in zip(rows.ROWS, zip(lines[::3], lines[1::3], lines[2::3])):
         assert title.split()[0] == row.id and row.shape.label in title
+        assert throughput.refusal(row, args.gpu_spec, args.work) is None  # the H200 runs every row's flags
         argv = shlex.split(command.removeprefix("      $ python "))
         shape, checkpoint = row.shape, str(tmp_path / "random-init" / row.shape.name)
         if row.program == "finetune":
@@ -90,8 +91,9 @@ def test_first_rows_answer_the_speed_goal_the_anchor_and_the_mixtures_of_experts
 def test_rows_are_picked_by_id_glob_or_group_in_the_order_given(tmp_path):
     assert rows.select("first") == list(rows.FIRST) and rows.select("all") == list(rows.ROWS)
     picked = [r.id for r in rows.select("anchor,mistral-ckpt-all*,first")]
-    assert picked[:4] == ["anchor", "mistral-ckpt-all", "mistral-ckpt-all-liger", "mistral-ckpt-all-own-loss"]
-    assert picked[4:] == [r.id for r in rows.FIRST if r.id != "anchor"]
+    assert picked[:5] == ["anchor", "mistral-ckpt-all", "mistral-ckpt-all-liger", "mistral-ckpt-all-liger-fp8",
+                          "mistral-ckpt-all-own-loss"]
+    assert picked[5:] == [r.id for r in rows.FIRST if r.id != "anchor"]
     with pytest.raises(ValueError, match="'nope' matches no row"):
         rows.select("anchor,nope")
     assert [line.split()[0] for line in dry_run(tmp_path, "--rows", "gpt-oss-*")[1::3]] == ["gpt-oss-lora", "gpt-oss-qlora"]
@@ -221,3 +223,22 @@ def test_short_of_disk_the_checkpoints_no_later_row_needs_make_room(tmp_path, mo
     monkeypatch.setattr(memory, "random_checkpoint", lambda *a: (_ for _ in ()).throw(OSError("16 GiB of disk needed")))
     with pytest.raises(OSError, match="of disk needed"):  # nothing left that no later row needs
         throughput.prepare(rows.select("anchor")[0], args, RowRunner(fork=False), later={"mistral-7b"})
+
+
+def test_fp8_rows_plan_the_float8_base_beside_their_bf16_twins_and_are_refused_where_it_cannot_run(tmp_path):
+    """`--fp8` rows (LoRA's frozen base in float8 matmuls) plan a float8 copy of every frozen linear weight
+    beside their twins without it (one byte per weight: 6.5 GiB at Mistral-7B, 7 at Llama-3.1-8B); on a
+    GPU without float8 matmuls the planner refuses them, and the row is listed as skipped in its words."""
+    args = throughput.parse_args(["--dry-run", "--work", str(tmp_path)])
+    for fp8, bf16 in (("anchor-fp8", "anchor"), ("mistral-ckpt-all-liger-fp8", "mistral-ckpt-all-liger"),
+                      ("mistral-best-fp8", "mistral-best"), ("anchor-fp8-compile", "anchor-compile")):
+        (with_fp8,), (without,) = rows.select(fp8), rows.select(bf16)
+        assert throughput.workload(with_fp8, args).fp8 and not throughput.workload(without, args).fp8
+        assert "--fp8" in throughput.python_args(with_fp8, args) and "--fp8" not in throughput.python_args(without, args)
+        more = throughput.planned(with_fp8, args)["planned_allocated_gib"] - throughput.planned(without, args)["planned_allocated_gib"]
+        assert 6.4 < more < 7.5, (fp8, more)
+    a100 = throughput.parse_args(["--dry-run", "--work", str(tmp_path), "--gpu", "A100-80GB"])
+    refused = {row.id: throughput.refusal(row, a100.gpu_spec, a100.work) for row in rows.ROWS}
+    assert {name for name, why in refused.items() if why} == {row.id for row in rows.ROWS if "--fp8" in (*row.flags, *(row.plan or ()))}
+    assert all("compute capability 8.9" in why for why in refused.values() if why)
+    assert throughput.planned(rows.select("anchor-fp8")[0], a100)["planned_tokens_per_second"] is None
