@@ -48,7 +48,10 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 step() { archive; echo; echo "== $(date -u +%H:%M:%S) [$(left) s left] $*"; }
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 archive() {  # every log so far, as one file (written aside, then renamed: never half an archive)
-  tar -czf "$OUT/logs.tar.gz.partial" -C "$LOGS" . 2>/dev/null && mv "$OUT/logs.tar.gz.partial" "$OUT/logs.tar.gz"
+  local status=0  # 1: run.log grew while tar read it, which is expected
+  tar --warning=no-file-changed -czf "$OUT/logs.tar.gz.partial" -C "$LOGS" . 2>/dev/null || status=$?
+  (( status <= 1 )) && mv "$OUT/logs.tar.gz.partial" "$OUT/logs.tar.gz"
+  return 0
 }
 keep_row_logs() {  # the grid's and the layouts' row logs (throughput.py copies its own)
   local run

@@ -65,6 +65,7 @@ from finetune.plan.workload import Workload, from_run  # noqa: E402
 from finetune.train.dry_run import device_of  # noqa: E402
 
 MIN_ROW_SECONDS = 45  # a 7B row forked: 14 GB of weights from the page cache, CUDA's start, the updates
+MIN_CUT_SECONDS = 20  # a row on a cut of a few layers: a few GB to load
 # the knobs each finetune row sets beyond its plan: plain text rows, nothing evaluated, sampled or saved
 RUN_FLAGS = ("--format", "text", "--optimizer", "adamw", "--lr-schedule", "constant", "--warmup-steps", "0", "--log-every", "1",
              "--max-eval-examples", "0", "--num-samples", "0", "--no-save-final", "--seed", "0")
@@ -172,10 +173,10 @@ def describe(row: Row, args: argparse.Namespace) -> str:
         return f"{row.shape.label}, {row.program} {' '.join(row.flags)}".rstrip()
     if row.plan is None:
         return f"{row.shape.label}, finetune {' '.join(row.flags)}"
+    asked = " ".join(["finetune plan", *row.plan])
     if refusal(row, args.gpu_spec, args.work):
-        return f"{row.shape.label}, finetune plan {' '.join(row.plan)}"
-    chosen = table.plan_choices(row, args.gpu_spec)
-    return f"{row.shape.label}, finetune plan {' '.join(row.plan)} → {' '.join(chosen) or 'no flags beyond the shape'}".replace("  ", " ")
+        return f"{row.shape.label}, {asked}"
+    return f"{row.shape.label}, {asked} → {' '.join(table.plan_choices(row, args.gpu_spec)) or 'no flags beyond the shape'}"
 
 
 def dry_run(args: argparse.Namespace) -> None:
@@ -243,7 +244,7 @@ def run_one(row: Row, args: argparse.Namespace, runner: RowRunner, done: dict[tu
         first = done[same]
         return {key: first.get(key) for key in ("tokens_per_second", "allocated_gib", "reserved_gib", "losses")} | {
             "status": f"same run as {first['row']}" if first["status"] == "ok" else f"{first['status']} (as {first['row']})"}
-    if args.deadline and args.deadline - time.time() < MIN_ROW_SECONDS:
+    if args.deadline and args.deadline - time.time() < (MIN_ROW_SECONDS if row.shape.layers is None else MIN_CUT_SECONDS):
         return {"status": "not run: time"}
     result = measure(row, args, runner, later)
     if same is not None:
@@ -305,7 +306,7 @@ def markdown(results: list[dict], header: str) -> str:
              "(measured / planned) | reserved GiB | status |", "|" + "---|" * 9]
     for r in results:
         plan = (f"{r['planned_tokens_per_second']:,.0f} ({r['planned_low']:,}–{r['planned_high']:,})"
-                if r.get("planned_tokens_per_second") else "–")
+                + (", no plan fits" if r.get("planned_fits") is False else "") if r.get("planned_tokens_per_second") else "–")
         measured = f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "–"
         published = f"{r['published_tokens_per_second']:,.0f}" if r.get("published_tokens_per_second") else ""
         allocated = f"{r['allocated_gib']:.2f}" if r.get("allocated_gib") else "–"
@@ -348,7 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="scratch shared with memory.py: random-init checkpoints, text rows, each row's run")
     parser.add_argument("--rows", default="all", help="ids, globs over ids or groups (first, rest, all), comma-separated, "
                         "run in that order: " + ", ".join(row.id for row in table.ROWS))
-    parser.add_argument("--deadline", type=float, help=f"epoch seconds: no row starts less than {MIN_ROW_SECONDS} s before, none runs past")
+    parser.add_argument("--deadline", type=float, help=f"epoch seconds: no row starts less than {MIN_ROW_SECONDS} s "
+                        f"({MIN_CUT_SECONDS} s on a cut) before, none runs past")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gpu", help="catalog GPU the plans are for (default: GPU 0; on a dry run without one, H200)")
     parser.add_argument("--row-timeout", type=float, default=300)
