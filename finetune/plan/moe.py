@@ -14,6 +14,10 @@ expert parameters (PEFT's ParamWrapper) and QLoRA's 4-bit experts (dequantized b
 parametrization) each hand the grouped matmul a 16-bit copy of the whole layer's experts, which
 backward keeps: one copy per layer whose activations are kept, like a saved activation that does not
 grow with the batch. Measured against MemTracker on fake tensors (tests/plan/test_planner_simulate.py).
+
+Because the experts are fused 3-D parameters, not linear layers, `--lora-targets all-linear` adapts no
+expert: `lora_reach` says what it adapts instead, in the trainer's words (families.lora_warnings), and
+the planner plans `with_experts` beside it.
 """
 
 from __future__ import annotations

@@ -85,8 +85,7 @@ def gpu_note(gpu: gpus.GPUSpec) -> list[str]:
     if not gpu.speed_of:
         return []
     return [f"{gpu.name}: a card given by its memory ({gpu.memory_gib:g} GiB); its speed, links, price and host RAM are "
-            f"planned as the catalog's nearest in memory, {gpu.speed_of} (name the card, e.g. --gpus 2x{gpu.speed_of}, "
-            "for its own)"]
+            f"planned as the catalog's nearest in memory, {gpu.speed_of} (name the card in --gpus for its own)"]
 
 
 def model_notes(spec: ModelSpec) -> list[str]:
@@ -243,7 +242,8 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
     request = results[0][0]
     world = request.gpus_per_node * request.nodes
     lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB, host RAM "
-             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}:"]
+             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}:",
+             *(f"note: {note}" for note in gpu_note(request.gpu))]
     for req, plans, recommended in results:
         name = f"{req.model.name} ({count_params(req.model).total / 1e9:.1f}B)"
         if not plans:
@@ -297,7 +297,7 @@ def _draw_bars(plans: list[Plan], labels: list[str], request: Request, title: st
         axis.bar(range(len(plans)), values, bottom=bottom, label=term)
         bottom = [b + v for b, v in zip(bottom, values)]
     overhead = [p.device_gib - b for p, b in zip(plans, bottom)]
-    axis.bar(range(len(plans)), overhead, bottom=bottom, label="slack + CUDA context", color="lightgrey")
+    axis.bar(range(len(plans)), overhead, bottom=bottom, label="allocator cache + CUDA context", color="lightgrey")
     axis.axhline(request.gpu.memory_gib, color="red", linestyle="--", label=f"{request.gpu.name} ({request.gpu.memory_gib:.0f} GiB)")
     axis.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=8)
     axis.set_ylabel("GiB per GPU")

@@ -64,11 +64,11 @@ def check_fit(run: ResolvedRun, device: Device) -> None:
 
 def catalog_name(device: Device) -> str:
     """How `finetune plan --gpus` names this device: its catalog entry ('NVIDIA A100-SXM4-40GB' →
-    A100-40GB), else a catalog GPU of the same memory size, else the device's own name."""
+    A100-40GB), else a catalog GPU of the same memory size, else the card by its memory ('72GB')."""
     memory_gib = (device.total_bytes or 0) / GIB
     found = gpu_catalog.identify(device.name, memory_gib) if device.name else None
     alike = gpu_catalog.same_size(memory_gib)
-    return found.name if found else alike[0] if alike else device.name or "GPU"
+    return found.name if found else alike[0] if alike else gpu_catalog.by_memory(max(1.0, round(memory_gib, 1))).name
 
 
 # Sustained fp32 training FLOP/s of one CPU core, from one measured step on the 2-core machine the

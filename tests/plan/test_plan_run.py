@@ -260,6 +260,7 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
 @pytest.mark.parametrize("name, memory_gib, expected", [
     ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),  # a CUDA device name: the catalog's name for it
     ("Acme Tensor Card 80", 79.6, "A100-80GB"),  # not in the catalog: a catalog GPU of its size
+    ("Acme Tensor Card 72", 72.0, "72GB"),  # no catalog GPU of its size: the card by its memory
 ])
 def test_fit_check_suggests_a_plan_command_that_runs_when_pasted(name, memory_gib, expected, capsys):
     import shlex

@@ -254,7 +254,7 @@ function bar(parts, total, scale, limit, extraClass) {
 function memoryBar(p, scale, capacity) {
   const m = p.memory_per_gpu_gib;
   const known = TERMS.reduce((sum, term) => sum + m[term], 0);
-  const parts = [...TERMS.map((term) => [term, m[term]]), ["slack + CUDA context", Math.max(0, m.device - known)]];
+  const parts = [...TERMS.map((term) => [term, m[term]]), ["cache + CUDA context", Math.max(0, m.device - known)]];
   const box = bar(parts, m.device, scale, capacity, "");
   box.title = parts.map(([term, gib]) => `${term} ${fmt(gib, 1)} GiB`).join("\n");
   return box;
@@ -267,7 +267,7 @@ function hostBar(p, scale, limit) {
 }
 
 function legend() {
-  return el("div", {class: "legend"}, [...TERMS, "slack"].map((term) => el("span", {}, el("i", {class: `seg t-${term}`}), term === "slack" ? "slack + CUDA context" : term)),
+  return el("div", {class: "legend"}, [...TERMS, "slack"].map((term) => el("span", {}, el("i", {class: `seg t-${term}`}), term === "slack" ? "allocator cache + CUDA context" : term)),
     el("span", {}, el("i", {class: "limitkey"}), "GPU memory"), el("span", {}, el("i", {class: "seg t-host"}), "host RAM per node (line: available)"),
     el("span", {class: "muted"}, "click a row for its details"));
 }
