@@ -12,6 +12,7 @@ sharding), then less memory per GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -293,6 +294,7 @@ def base_workload(request: Request, method: str, strategy: Strategy, offload: st
     )
 
 
+@functools.lru_cache(maxsize=4096)  # asked again for each layout, plan and refusal; asking the packages costs ~0.3 ms
 def planned_switches(request: Request, strategy: Strategy, method: str, optimizer: str, tp: int = 1,
                      cp: int = 1) -> Switches:
     """Liger, the chunked loss and fused AdamW as the trainer will decide them on the request's GPUs

@@ -188,10 +188,13 @@ def test_the_page_offers_the_new_cards_and_cards_by_memory():
 
 # ---------------------------------------------------------------- refusals in the trainer's words
 
-def trainer_refusal(world: int, **flags) -> str:
-    with pytest.raises(ConfigError) as stopped:
+def trainer_refusal(world: int, **flags) -> str | None:
+    """What `finetune` stops with for these flags on `world` GPUs, or None when it runs them."""
+    try:
         resolve_run(TrainConfig(**{"output_dir": "/tmp/finetune-test-edges"} | flags), Launch(world_size=world), GPU)
-    return str(stopped.value)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 @pytest.mark.parametrize("model, gpus_per_node, fields, trainer_flags", [
@@ -199,12 +202,15 @@ def trainer_refusal(world: int, **flags) -> str:
     ("llama-3.1-8b", 4, dict(method="lora", tp=4), dict(method="lora", tp=4)),
     ("llama-3.1-8b", 8, dict(method="full", tp=2, cp=2, seq_len=8192), dict(method="full", tp=2, cp=2, max_seq_len=8192)),
 ])
-def test_a_refused_layout_answers_with_the_trainers_own_sentence(model, gpus_per_node, fields, trainer_flags, capsys):
+def test_a_refused_layout_answers_with_the_trainers_own_sentence(model, gpus_per_node, fields, trainer_flags):
     request = Request(model=catalog.get(model), gpu=gpus.get("H100"), gpus_per_node=gpus_per_node, **fields)
     plans, best = plan(request)
     reasons = refused(request)
-    assert plans == [] and best is None and reasons
     trainer = trainer_refusal(gpus_per_node, model=model, **trainer_flags)
+    if trainer is None:  # the trainer lays it out (a mixture of experts under TP may be): so does the planner
+        assert plans and not reasons
+        return
+    assert plans == [] and best is None and reasons
     assert reasons[0] in trainer  # one source for the sentence: config/parallelism.py
     result = to_json(request, plans, best, "plan")
     assert result["plans"] == [] and result["refused"] == reasons
@@ -235,10 +241,12 @@ def test_left_out_methods_are_listed_beside_the_plans_and_on_the_page():
 
 
 def test_the_json_and_the_page_carry_an_empty_answers_refusal(capsys):
-    assert cli_main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8xH100", "--method", "full", "--tp", "2", "--json"]) == 0
+    assert cli_main(["plan", "--model", "llama-3.1-8b", "--gpus", "8xH100", "--method", "qlora", "--tp", "2", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
-    assert cli["plans"] == [] and cli["recommended"] is None and "with a mixture of experts" in cli["refused"][0]
-    status, body = page_answer({"model": "qwen3-30b-a3b", "gpu": "H100", "count": "8", "method": "full", "tp": "2"})
+    assert cli["plans"] == [] and cli["recommended"] is None
+    assert cli["refused"] == ["--tp 2 with QLoRA: bitsandbytes' 4-bit weights cannot be split into tensor-parallel slices; "
+                              "use --method lora (or QLoRA under FSDP2 without --tp)"]
+    status, body = page_answer({"model": "llama-3.1-8b", "gpu": "H100", "count": "8", "method": "qlora", "tp": "2"})
     assert status == 200 and body["result"] == cli and body["files"] == []
 
 
