@@ -57,8 +57,8 @@ def find_gpus(text: str) -> tuple[str, int] | None:
     """(GPU name, count) named in `text`, or None when it names no GPU. A size with no GPU name
     ('2x48GB', 'on 2× 24 GB') is a card given by its memory.
 
-    Raises FinetuneError for a GPU-like word the catalog lacks ('2xA1000'), with close names, and
-    for a bare name that fits several entries ('A100').
+    Raises FinetuneError for a GPU-like word the catalog lacks ('2xA1000'), with close names, for a
+    bare name that fits several entries ('A100'), and for a size no card has ('2x0GB').
     """
     original = text
     text = re.sub(r"(\d)\s*[x×*]\s*(?=[a-z0-9])", r"\1 x ", text.lower())
@@ -71,8 +71,12 @@ def find_gpus(text: str) -> tuple[str, int] | None:
         word = _gpu_like_word(original)
         if word:
             gpu_catalog.get(word, float(size.group(1)) if size else None)  # raises with close names
-        if size is None or gpu_catalog.memory_size(size.group()) is None:
+        if size is None:
             return None
+        if gpu_catalog.memory_size(size.group()) is None:
+            low, high = gpu_catalog.MEMORY_ONLY_GIB
+            raise FinetuneError(f"No GPU has {size.group(1)} GB: give a card's memory in GiB from {low:g} to {high:g} "
+                                "(e.g. 2x48GB), or name the card (e.g. 2xA100-40GB).")
         hit = gpu_catalog.by_memory(float(size.group(1))).name, size
     name, match = hit
     before = re.search(r"(\d+)\s*(?:x\s*)?$", text[: match.start()])
