@@ -32,51 +32,39 @@ class GPUSpec:
     aliases: tuple[str, ...] = ()
     memory_tb_per_s: float = 0.0  # device memory bandwidth, TB/s (datasheet); 0: unknown
     chip: str = ""  # the die: GPUs of one chip share the matmul efficiency the speed model fits (H200 is an H100's)
+    fp8_tflops: float = 0.0  # dense tensor-core peak for FP8 (datasheet, without sparsity); 0: no FP8 tensor cores
     speed_of: str = ""  # a card given by its memory only (`by_memory`): the catalog card whose speed it is planned with
-    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak TFLOP/s; 0: no FP8
 
 
 _CATALOG: tuple[GPUSpec, ...] = (
     GPUSpec("A100-40GB", 40.0, 312, True, "NVLink", 300, 1.29, 144, ("a100-40g", "a100-sxm4-40gb", "a100 40gb"), 1.555, "A100"),
     GPUSpec("A100-80GB", 80.0, 312, True, "NVLink", 300, 1.79, 144, ("a100-80g", "a100-sxm4-80gb", "a100 80gb"), 2.039, "A100"),
-    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, 256, ("h100", "h100-sxm", "h100-80g", "h100-sxm5"), 3.35, "H100",
-            fp8_tflops=1979),
-    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, 256, ("h200-141gb", "h200-sxm"), 4.8, "H100", fp8_tflops=1979),
-    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, 192, ("l40s-48gb",), 0.864, "L40S", fp8_tflops=733),
+    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, 256, ("h100", "h100-sxm", "h100-80g", "h100-sxm5"), 3.35, "H100", 1979),
+    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, 256, ("h200-141gb", "h200-sxm"), 4.8, "H100", 1979),
+    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, 192, ("l40s-48gb",), 0.864, "L40S", 733),
     GPUSpec("A10G", 22.5, 70, True, "PCIe", 16, 1.01, 96, ("a10g-24gb",), 0.6, "A10G"),
     GPUSpec("L4", 22.5, 121, True, "PCIe", 32, 0.80, 96, ("l4-24gb",), 0.3, "L4"),
     GPUSpec("RTX3090", 24.0, 71, True, "PCIe", 16, 0.22, 64, ("rtx-3090", "3090", "geforce-rtx-3090"), 0.936, "RTX3090"),
-    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, 64, ("rtx-4090", "4090", "geforce-rtx-4090"), 1.008, "RTX4090",
-            fp8_tflops=330),
-    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, 128, ("rtx-6000-ada", "rtx6000ada", "6000-ada"), 0.96,
-            "RTX6000-Ada", fp8_tflops=728),
+    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, 64, ("rtx-4090", "4090", "geforce-rtx-4090"), 1.008, "RTX4090", 330),
+    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, 128, ("rtx-6000-ada", "rtx6000ada", "6000-ada"), 0.96, "RTX6000-Ada", 728),
     GPUSpec("V100-16GB", 15.8, 125, False, "NVLink", 150, 0.60, 61, ("v100-16g", "v100-sxm2-16gb"), 0.9, "V100"),
     GPUSpec("V100-32GB", 31.7, 125, False, "NVLink", 150, 0.80, 96, ("v100-32g", "v100-sxm2-32gb"), 0.9, "V100"),
     GPUSpec("T4", 15.0, 65, False, "PCIe", 8, 0.35, 48, ("t4-16gb", "tesla-t4"), 0.32, "T4"),
-    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi300x-192gb", "mi300"), 5.3, "MI300X",
-            fp8_tflops=2615),
+    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi300x-192gb", "mi300"), 5.3, "MI300X", 2615),
     # 2025-26 cards: their sources follow the catalog
-    GPUSpec("B200", 179.1, 2250, True, "NVLink", 900, 4.99, 256, ("b200-180gb", "hgx-b200", "dgx-b200"), 8.0, "B200",
-            fp8_tflops=4500),
-    GPUSpec("B300", 268.6, 2250, True, "NVLink", 900, 6.50, 512, ("b300-288gb", "hgx-b300", "blackwell-ultra"), 8.0, "B300",
-            fp8_tflops=4500),
-    GPUSpec("GB200", 185.0, 2500, True, "NVLink", 900, 6.00, 240, ("gb200-nvl72", "gb200-186gb"), 8.0, "B200",
-            fp8_tflops=5000),
-    GPUSpec("H20", 95.6, 148, True, "NVLink", 450, 1.50, 256, ("h20-96gb", "hgx-h20"), 4.0, "H20", fp8_tflops=296),
-    GPUSpec("H100-NVL", 93.6, 835, True, "PCIe", 64, 2.49, 320, ("h100nvl", "h100-nvl-94gb", "h100-94gb"), 3.9, "H100",
-            fp8_tflops=1670),
-    GPUSpec("RTX5090", 31.8, 209.5, True, "PCIe", 64, 0.69, 64, ("rtx-5090", "5090", "geforce-rtx-5090"), 1.792, "RTX5090",
-            fp8_tflops=419),
+    GPUSpec("B200", 179.1, 2250, True, "NVLink", 900, 4.99, 256, ("b200-180gb", "hgx-b200", "dgx-b200"), 8.0, "B200", 4500),
+    GPUSpec("B300", 268.6, 2250, True, "NVLink", 900, 6.50, 512, ("b300-288gb", "hgx-b300", "blackwell-ultra"), 8.0, "B300", 4500),
+    GPUSpec("GB200", 185.0, 2500, True, "NVLink", 900, 6.00, 240, ("gb200-nvl72", "gb200-186gb"), 8.0, "B200", 5000),
+    GPUSpec("H20", 95.6, 148, True, "NVLink", 450, 1.50, 256, ("h20-96gb", "hgx-h20"), 4.0, "H20", 296),
+    GPUSpec("H100-NVL", 93.6, 835, True, "PCIe", 64, 2.49, 320, ("h100nvl", "h100-nvl-94gb", "h100-94gb"), 3.9, "H100", 1670),
+    GPUSpec("RTX5090", 31.8, 209.5, True, "PCIe", 64, 0.69, 64, ("rtx-5090", "5090", "geforce-rtx-5090"), 1.792, "RTX5090", 419),
     GPUSpec("RTX-PRO-6000", 95.6, 500, True, "PCIe", 64, 1.79, 128,
-            ("rtx-pro-6000-blackwell", "rtx-pro-6000", "rtxpro6000", "pro-6000-blackwell"), 1.792, "RTX-PRO-6000",
-            fp8_tflops=1000),
-    GPUSpec("L40", 45.0, 181, True, "PCIe", 32, 0.99, 128, ("l40-48gb",), 0.864, "L40", fp8_tflops=362),
+            ("rtx-pro-6000-blackwell", "rtx-pro-6000", "rtxpro6000", "pro-6000-blackwell"), 1.792, "RTX-PRO-6000", 1000),
+    GPUSpec("L40", 45.0, 181, True, "PCIe", 32, 0.99, 128, ("l40-48gb",), 0.864, "L40", 362),
     GPUSpec("A40", 45.0, 150, True, "PCIe", 32, 0.40, 64, ("a40-48gb",), 0.696, "A40"),
     GPUSpec("RTX-A6000", 48.0, 155, True, "PCIe", 32, 0.49, 64, ("rtx-a6000", "a6000", "rtxa6000"), 0.768, "RTX-A6000"),
-    GPUSpec("MI325X", 256.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi325x-256gb", "mi325"), 6.0, "MI325X",
-            fp8_tflops=2615),
-    GPUSpec("MI355X", 288.0, 2500, True, "Infinity Fabric", 538, 3.00, 256, ("mi355x-288gb", "mi355"), 8.0, "MI355X",
-            fp8_tflops=5000),
+    GPUSpec("MI325X", 256.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi325x-256gb", "mi325"), 6.0, "MI300X", 2615),
+    GPUSpec("MI355X", 288.0, 2500, True, "Infinity Fabric", 538, 3.00, 256, ("mi355x-288gb", "mi355"), 8.0, "MI355X", 5000),
 )
 
 # Where the 2025-26 cards' numbers come from. Memory: the datasheet's capacity less what the driver
@@ -96,8 +84,9 @@ _CATALOG: tuple[GPUSpec, ...] = (
 #   L40:          NVIDIA L40 datasheet (48 GB GDDR6 864 GB/s; 181 / 362 TF bf16 / FP8 dense)
 #   A40, RTX-A6000: NVIDIA A40 and RTX A6000 datasheets (48 GB GDDR6, 696 / 768 GB/s; 299 / 310 TF fp16 tensor with
 #                 sparsity; no FP8); the A40 keeps ECC on, which nvidia-smi counts out (45 GiB)
-#   MI325X, MI355X: AMD Instinct MI325X and MI355X datasheets (256 GB HBM3E 6 TB/s, 1.3 PF bf16, 2.6 PF FP8; 288 GB
-#                 HBM3E 8 TB/s, 2.5 PF bf16, 5.0 PF FP8; Infinity Fabric 7 links of 64 / 76.8 GB/s per direction)
+#   MI325X, MI355X: AMD Instinct MI325X (an MI300X's die with HBM3E) and MI355X datasheets (256 GB HBM3E
+#                 6 TB/s, 1.3 PF bf16, 2.6 PF FP8; 288 GB HBM3E 8 TB/s, 2.5 PF bf16, 5.0 PF FP8; Infinity Fabric
+#                 7 links of 64 / 76.8 GB/s per direction)
 #   Prices: Lambda (B200 4.99, H100-NVL 2.49), RunPod (RTX5090 0.69, RTX-PRO-6000 1.79, L40 0.99, A40 0.40, RTX-A6000
 #   0.49); B300, GB200, H20, MI325X, MI355X: few list prices yet, set from their neighbours (an order of magnitude)
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from finetune.config.switches import chunk_tokens
 from finetune.plan import params
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, fp8_linears, fp8_params, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
 from finetune.plan.traffic import DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels, traffic
@@ -98,6 +98,12 @@ SMALL_HEAD_ATTENTION = 0.85
 # Python of each layer; the issue time of a compiled layer as a fraction of eager. NOT MEASURED:
 # an assumption until a compiled run is committed, so such plans are marked extrapolated.
 COMPILED_ISSUE = 0.35
+# --fp8 (train/fp8.py) casts each operand of its float8 matmuls (a base linear's input forward, its
+# output's gradient backward): kernels per cast (the absolute maximum, the scale and its inverse, the
+# product, the cast) and bytes moved per 16-bit element (read for the maximum, read and written as the
+# product, read and written as one byte); compiled blocks fuse the product into the cast. NOT MEASURED.
+FP8_CAST_KERNELS = {"eager": 6, "compiled": 3}
+FP8_CAST_BYTES = {"eager": 9, "compiled": 5}
 # fp32 matmuls run on TF32 tensor cores: half the bf16 rate.
 FP32_SPEED = 0.5
 # A GPU the catalog does not know (a dry run's device) gets an H100's bandwidth per peak TFLOP/s.
@@ -316,7 +322,9 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     passes = 1 + FORWARD_SHARE * w.recompute_share
     layer_s = c.layer_issue_s * LAYER_ISSUE_RELATIVE.get(w.model.model_type, 1.0)
     per_pass = (layers * layer_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
-    return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
+    # --fp8's casts at a decoder layer's issue time per kernel, compiled or not
+    fp8_issue = fp8_kernels(w) * c.layer_issue_s / layer_kernels(w.model) * (COMPILED_ISSUE if w.compile else 1.0)
+    return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c) + fp8_issue
 
 
 def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[float, float]:
@@ -344,10 +352,37 @@ def gpu_terms(w: Workload, c: Calibration) -> dict[str, float]:
     rate = w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu.chip) * (FP32_SPEED if w.precision.fp32 else 1.0)
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
-    matmul = forward + backward - attention
-    return {"matmul": tokens * matmul / rate, "attention": tokens * attention / (rate * attention_speed(w, c)),
-            "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
-            "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+    matmul = forward + backward - attention - fp8_flops(w)
+    terms = {"matmul": tokens * matmul / rate, "attention": tokens * attention / (rate * attention_speed(w, c)),
+             "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
+             "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+    return terms | ({"fp8 matmul": fp8_seconds(w, c)} if w.fp8 else {})
+
+
+def fp8_flops(w: Workload) -> float:
+    """FLOPs per token of the frozen base matmuls --fp8 runs in float8: forward, input gradient, and
+    the forward again for the layers checkpointing recomputes (no weight gradient: the base is frozen)."""
+    return 2 * fp8_params(w) * (2 + w.recompute_share)
+
+
+def fp8_seconds(w: Workload, c: Calibration) -> float:
+    """GPU seconds of one micro-batch's float8 matmuls: their FLOPs at the chip's fitted share of its
+    FP8 peak (the bf16 matmuls' share, not fitted on FP8), the casts of their operands at the fitted
+    share of the bandwidth, their kernels, and the backward's transposed copy of each float8 weight."""
+    tokens, passes = w.tokens_per_micro_batch, 1 + w.recompute_share
+    rate = w.gpu.fp8_tflops * 1e12 * c.efficiency(w.gpu.chip)
+    cast = "compiled" if w.compile else "eager"
+    cast_elements = sum(n * (passes * linear.fan_in + linear.fan_out) for n, linear in fp8_linears(w))
+    cast_bytes = tokens * cast_elements * FP8_CAST_BYTES[cast] + 2 * fp8_params(w)
+    return (tokens * fp8_flops(w) / rate + cast_bytes / (memory_bytes_per_s(w) * c.memory_efficiency)
+            + fp8_kernels(w) * c.kernel_gpu_s)
+
+
+def fp8_kernels(w: Workload) -> float:
+    """Kernels --fp8 adds per micro-batch: the casts of each float8 matmul's operand (forward, recompute,
+    backward) and the backward's transposed weight."""
+    cast = FP8_CAST_KERNELS["compiled" if w.compile else "eager"]
+    return sum(n * ((2 + w.recompute_share) * cast + 1) for n, _ in fp8_linears(w))
 
 
 def gpu_seconds(w: Workload, c: Calibration) -> float:

@@ -38,7 +38,7 @@ MEASURED_ARCHITECTURES = ("llama", "mistral")
 # code never run: the Qwen2.5 runs of issue 30 ran 1.7–2.2× slower than a fit on Llama-family runs
 # planned (log 0.5–0.8) where a Llama-3.2-3B run ran 1.1×.
 UNMEASURED_SPREAD = {"communication": 0.25, "offload": 0.4, "compiled blocks": 0.3,
-                     "mixture-of-experts routing": 0.3, "model code": 0.4}
+                     "mixture-of-experts routing": 0.3, "model code": 0.4, "fp8 matmuls": 0.3}
 # ± this many spreads hold the central 80 % of a normal distribution of log errors.
 LIKELY_Z = 1.2816
 
@@ -71,6 +71,8 @@ def unmeasured_terms(w: Workload) -> dict[str, str]:
         terms["offload"] = "offload"
     if w.compile:
         terms["compiled blocks"] = "compiled blocks"
+    if w.fp8:
+        terms["fp8 matmuls"] = "fp8 matmuls"
     if w.model.moe:
         terms["mixture-of-experts routing"] = "mixture-of-experts routing"
     if w.model.model_type not in MEASURED_ARCHITECTURES:
