@@ -12,7 +12,6 @@ sharding), then less memory per GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -294,9 +293,8 @@ def _enumerate(request: Request) -> tuple[list[Workload], list[str], list[str]]:
                     problems = refusals.layout_problems(replace(workload, tp=request.tp or 1, cp=request.cp or 1))
                     every += problems
                     reasons += problems if asked else []
-                workloads += [replace(workload, tp=tp, cp=cp, loss=planned_switches(request, strategy, method,
-                                                                                     workload.optimizer, tp, cp).loss)
-                              for tp, cp in laid_out]
+                workloads += [replace(workload, tp=tp, cp=cp, loss=workload.loss if tp == cp == 1 else planned_switches(
+                    request, strategy, method, workload.optimizer, tp, cp).loss) for tp, cp in laid_out]
     return workloads, reasons, every
 
 
@@ -316,7 +314,6 @@ def base_workload(request: Request, method: str, strategy: Strategy, offload: st
     )
 
 
-@functools.lru_cache(maxsize=4096)  # asked again for each layout, plan and refusal; asking the packages costs ~0.3 ms
 def planned_switches(request: Request, strategy: Strategy, method: str, optimizer: str, tp: int = 1,
                      cp: int = 1) -> Switches:
     """Liger, the chunked loss and fused AdamW as the trainer will decide them on the request's GPUs
@@ -440,7 +437,8 @@ def plan(request: Request) -> tuple[list[Plan], int | None]:
 def switch_reasons(request: Request, w: Workload) -> tuple[str, ...]:
     """What the trainer turns off in `w` that was asked for or is on by default (refusals.switch_reasons)."""
     at_layout = planned_switches(request, w.strategy, w.method, w.optimizer, w.tp, w.cp)
-    return tuple(refusals.switch_reasons(w, at_layout, planned_switches(request, w.strategy, w.method, w.optimizer)))
+    plain = at_layout if w.model_parallel == 1 else planned_switches(request, w.strategy, w.method, w.optimizer)
+    return tuple(refusals.switch_reasons(w, at_layout, plain))
 
 
 def experts_variant(p: Plan) -> Plan | None:
