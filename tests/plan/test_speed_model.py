@@ -242,13 +242,6 @@ def test_json_table_and_hours_carry_the_range(capsys):
     assert "speed extrapolated on A100 from other shapes" in table
 
 
-def test_the_fit_check_uses_reserved_memory_with_the_measured_slack():
-    slack, _ = speed_fit.reserved_slack(speed_fit.read_rows(sorted(speed_fit.MEASURED.glob("*.csv"))))
-    m = estimate(one_gpu())
-    assert m.reserved == pytest.approx(m.allocated * (1 + slack), rel=0.01)
-    assert m.device(1) > m.reserved > m.allocated
-
-
 def test_expandable_segments_are_set_unless_the_user_chose():
     environ = {}
     use_expandable_segments(environ)
