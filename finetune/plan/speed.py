@@ -38,11 +38,21 @@ import math
 from dataclasses import dataclass
 
 from finetune.config.switches import chunk_tokens
-from finetune.plan import params
+from finetune.plan import gpus, params
+from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
-from finetune.plan.traffic import DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels, traffic
+from finetune.plan.traffic import (
+    DEQUANT_KERNELS,
+    adapter_matmul_bytes,
+    attention_kernels,
+    dequantizations,
+    dequantized_bytes,
+    kernel_launches,
+    matmul_kernels,
+    traffic,
+)
 from finetune.plan.workload import Workload
 
 
@@ -53,30 +63,50 @@ class Calibration:
     layer_issue_s: float  # host time to issue one decoder layer's forward + backward in eager transformers
     adapter_issue_s: float  # the same per PEFT LoRA linear (dropout, A, B, scale, add and their backward)
     dequant_issue_s: float  # per bitsandbytes 4-bit linear per dequantization (forward, backward, recompute)
-    matmul_efficiency: dict[str, float]  # per chip: achieved fraction of the dense bf16 peak in matmuls
+    matmul_efficiency: dict[str, float]  # per GPU measured (catalog name): achieved fraction of its dense bf16 peak in matmuls
+    attention_speed: dict[str, float]  # per chip: flash attention's FLOP rate ÷ the GPU's matmul rate (head size ≥ 128)
+    masked_attention_speed: float  # SDPA's kernel for an explicit mask (every score computed) ÷ the matmul rate
     memory_efficiency: float  # achieved fraction of the datasheet bandwidth in the memory-bound kernels
     kernel_gpu_s: float  # GPU time per kernel launched that neither its FLOPs nor its bytes explain
-    attention_speed: float  # flash attention's FLOP rate ÷ the matmuls' (head size ≥ 128)
+    expert_tokens_half: float  # tokens per expert at which a grouped expert matmul runs at half the matmul rate
     overlap_exponent: float  # p in (Hᵖ + Gᵖ)^(1/p): how far the host's and the GPU's clocks overlap
 
-    def efficiency(self, chip: str) -> float:
-        """The chip's fitted matmul efficiency; an unmeasured chip takes the measured chips' geometric mean."""
-        if chip in self.matmul_efficiency:
-            return self.matmul_efficiency[chip]
-        values = list(self.matmul_efficiency.values())
-        return math.exp(sum(math.log(v) for v in values) / len(values))
+    def efficiency(self, gpu: GPUSpec) -> float:
+        """The GPU's fitted matmul efficiency; a GPU never measured takes the geometric mean of the measured
+        GPUs of its chip, or of every measured GPU when its chip is new."""
+        if gpu.name in self.matmul_efficiency:
+            return self.matmul_efficiency[gpu.name]
+        peers = [v for name, v in self.matmul_efficiency.items() if gpus.GPUS[name].chip == gpu.chip]
+        return geometric_mean(peers or list(self.matmul_efficiency.values()))
+
+    def attention(self, chip: str) -> float:
+        """The chip's flash attention speed; a chip never measured takes the measured chips' geometric mean."""
+        return self.attention_speed.get(chip) or geometric_mean(list(self.attention_speed.values()))
+
+    @property
+    def chips(self) -> tuple[str, ...]:
+        """The chips of the GPUs measured (plan/speed_range.py's basis)."""
+        return tuple(dict.fromkeys(gpus.GPUS[name].chip for name in self.matmul_efficiency))
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 # Fitted by `python bench/speed_fit.py --fit` (bench/RESULTS.md, *Speed model*) to finetune's runs on
-# one H100 80GB (plan/calibration/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
-# peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
-# (plan/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 9 coefficients for 16 numbers
-# (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
-# fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
+# one H100 80GB and one H200 (plan/calibration/measured/*.csv: torch 2.11 + CUDA 13, transformers 5.17,
+# peft 0.21, eager, SDPA), the GPU kit's profile of the H200's decoder layers by kernel class
+# (plan/calibration/speed_terms_h200.csv), LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at
+# 1k–32k tokens and four published 8-GPU runs (prime-rl's Qwen3-30B-A3B, torchtitan's Llama-3.1-8B with
+# and without CP; plan/calibration/speed_*.csv, GPU clock only): 13 coefficients, each with a weak prior.
+# The H200 runs its matmuls at a smaller share of the same peak than the H100 measured (the same TRL
+# step took 7–13 % longer there), so each GPU measured has its own matmul efficiency. Its out-of-sample
+# errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
-    layer_issue_s=5.929e-03, adapter_issue_s=3.917e-04, dequant_issue_s=4.411e-04,
-    matmul_efficiency={"A100": 0.950, "H100": 0.823}, memory_efficiency=0.803,
-    kernel_gpu_s=1.147e-05, attention_speed=0.778, overlap_exponent=3.31,
+    layer_issue_s=5.832e-03, adapter_issue_s=4.233e-04, dequant_issue_s=4.343e-04,
+    matmul_efficiency={"A100-40GB": 0.851, "H100-80GB": 0.871, "H200": 0.729},
+    attention_speed={"A100": 1.000, "H100": 0.359}, masked_attention_speed=0.468,
+    memory_efficiency=0.687, kernel_gpu_s=2.223e-06, expert_tokens_half=2589, overlap_exponent=3.04,
 )
 # The host's time to issue one decoder layer of each model code, relative to Llama's (whose runs,
 # with Mistral's, the fit rests on): Python and dispatcher work, the same on any host, measured by
@@ -88,9 +118,11 @@ LAYER_ISSUE_RELATIVE = {"llama": 1.0, "mistral": 1.01, "qwen2": 1.04, "qwen3": 1
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
-# Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
-# gradient's scatter and cast, the two gradient matmuls (train/chunked_loss.py).
-CHUNK_KERNELS = 18
+# The host's time to issue one chunk of the chunked loss (train/chunked_loss.py: the head's matmul,
+# the fp32 softmax passes, the gradient's scatter and cast, the gradient matmuls: plain tensor calls,
+# no modules or autograd nodes), relative to a Llama decoder layer's forward + backward: measured on
+# this CPU's width-64 cuts by `python bench/layer_issue.py` (bench/RESULTS.md, *Layer issue by model code*).
+LOSS_CHUNK_ISSUE_RELATIVE = 0.13
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
 SMALL_HEAD_ATTENTION = 0.85
@@ -124,6 +156,7 @@ LAST_BACKWARD = "last backward"  # the backward of the update's last micro-batch
 EACH_BACKWARD = "each backward"  # the backward of every micro-batch (ZeRO-2's partitioned gradients)
 EACH_MICRO_BATCH = "each micro-batch"  # forward and backward of every micro-batch (FSDP2/ZeRO-3 prefetch)
 NOTHING = "nothing"  # after the optimizer step (ZeRO-1/2 gather the updated weights)
+EACH_ATTENTION = "each attention"  # the attention of every micro-batch (CP's ring: the next block waits for its keys)
 
 
 @dataclass(frozen=True)
@@ -256,9 +289,10 @@ def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
     TP: every decoder layer all-reduces its attention output and its MLP output in the forward, the
     gradients of their inputs in the backward, and again for each forward checkpointing recomputes;
     each all-reduce moves a micro-batch's hidden states (compute dtype), and the LM head all-gathers
-    the logits. They sit between a layer's matmuls, so nothing hides them. CP: every layer passes its
-    keys and values round the ring (cp − 1 hops) in the forward, and keys, values and their
-    gradients in the backward, while the attention of the chunk in hand computes.
+    the logits. They sit between a layer's matmuls, so nothing hides them. CP, as torch's ring
+    attention runs it: every layer all-gathers the keys and values of the other cp − 1 ranks in the
+    forward (again in a recomputed forward) and in the backward, and passes each hop's key and value
+    gradients on in fp32 (cp sends); all while attention computes (the next block waits for them).
     """
     spec, e, micro = w.model, w.precision.compute_bytes, w.gradient_accumulation_steps
     items = []
@@ -272,8 +306,11 @@ def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
                                 reduced + logits, launches))
     if w.cp > 1:
         kv = 2 * spec.num_kv_heads * spec.resolved_head_dim * w.tokens_per_micro_batch / w.cp * e
-        hops = (w.cp - 1) * spec.num_layers * micro
-        items.append(Collective("pass keys and values round the ring (CP)", 3 * hops * kv, 3 * hops, EACH_MICRO_BATCH))
+        gathers = 2 + w.recompute_share  # forward, recomputed forward, backward
+        per_layer = (w.cp - 1) * gathers * kv + w.cp * 2 * kv  # the gradients' sends in fp32: twice kv's bytes
+        launches = micro * round(spec.num_layers * (gathers + w.cp))
+        items.append(Collective("pass keys and values round the ring (CP)", micro * spec.num_layers * per_layer,
+                                launches, EACH_ATTENTION))
     return tuple(items)
 
 
@@ -293,10 +330,12 @@ def link(w: Workload) -> tuple[float, float]:
 
 
 def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: float,
-                    forward_s: float, backward_s: float, micro_batches: int) -> float:
-    """Communication time per update that compute does not hide, window by window."""
+                    forward_s: float, backward_s: float, micro_batches: int, attention_s: float = 0.0) -> float:
+    """Communication time per update that compute does not hide, window by window (`attention_s`:
+    one micro-batch's attention, what CP's ring hides under)."""
     windows = {LAST_BACKWARD: backward_s, EACH_BACKWARD: micro_batches * backward_s,
-               EACH_MICRO_BATCH: micro_batches * (forward_s + backward_s), NOTHING: 0.0}
+               EACH_MICRO_BATCH: micro_batches * (forward_s + backward_s), EACH_ATTENTION: micro_batches * attention_s,
+               NOTHING: 0.0}
     exposed = 0.0
     for window, compute in windows.items():
         inside = [c for c in items if c.hides_under == window]
@@ -327,27 +366,36 @@ def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[f
 
 
 def loss_issue_seconds(w: Workload, c: Calibration) -> float:
-    """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
-    fewer tokens the larger the vocabulary (config.switches.chunk_tokens), each kernel at a decoder layer's
-    issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
+    """Host time of the chunked loss's Python loop: per chunk of tokens (the fewer tokens the larger the
+    vocabulary, config.switches.chunk_tokens) LOSS_CHUNK_ISSUE_RELATIVE of a Llama layer's issue time.
+    The model's own loss and Liger's are a few kernels per micro-batch."""
     if w.loss != "finetune-chunked":
         return 0.0
     chunks = math.ceil(w.tokens_per_micro_batch / chunk_tokens(w.model.vocab_size))
-    return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)
+    return chunks * LOSS_CHUNK_ISSUE_RELATIVE * c.layer_issue_s
 
 
 def gpu_terms(w: Workload, c: Calibration) -> dict[str, float]:
-    """GPU seconds of one micro-batch by term: matmul FLOPs at the chip's fitted share of its peak,
-    attention FLOPs by kernel and head size, memory-bound bytes at the fitted share of its
-    bandwidth, and a fixed time per kernel launched (bench/gpu_kit/speed_terms.py measures each)."""
-    tokens = w.tokens_per_micro_batch
-    rate = w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu.chip) * (FP32_SPEED if w.precision.fp32 else 1.0)
+    """GPU seconds of one micro-batch by term: the dense matmuls' FLOPs at the GPU's fitted share of
+    its peak, a mixture of experts' grouped matmuls slower the fewer tokens each expert gets, attention
+    by kernel, head size and sequence length, memory-bound bytes at the fitted share of the bandwidth,
+    and a fixed time per kernel launched (bench/gpu_kit/speed_terms.py measures each)."""
+    tokens, rate = w.tokens_per_micro_batch, matmul_rate(w, c)
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
-    matmul = forward + backward - attention
-    return {"matmul": tokens * matmul / rate, "attention": tokens * attention / (rate * attention_speed(w, c)),
-            "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
-            "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+    experts, extra = expert_flops(w)
+    terms = {"matmul": tokens * (forward + backward - attention - experts) / rate,
+             "attention": tokens * attention * attention_cost(w, c) / rate,
+             "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
+             "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+    if experts:
+        terms["experts"] = tokens * (experts + extra) / (rate * grouped_efficiency(w, c))
+    return terms
+
+
+def matmul_rate(w: Workload, c: Calibration) -> float:
+    """FLOP/s of the dense matmuls: the GPU's bf16 peak at its fitted efficiency (TF32 for fp32)."""
+    return w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu) * (FP32_SPEED if w.precision.fp32 else 1.0)
 
 
 def gpu_seconds(w: Workload, c: Calibration) -> float:
@@ -355,13 +403,57 @@ def gpu_seconds(w: Workload, c: Calibration) -> float:
     return sum(gpu_terms(w, c).values())
 
 
-def attention_speed(w: Workload, c: Calibration) -> float:
-    """Attention's FLOP rate ÷ the matmuls': flash kernels (SDPA, flex) at the fitted rate, slower for
-    small heads; eager attention runs its two batched matmuls at the matmul rate (the s² scores it
-    writes are memory traffic, plan/traffic.py)."""
+def attention_cost(w: Workload, c: Calibration) -> float:
+    """Seconds of attention per causal attention FLOP, in matmul-FLOP seconds. Flash kernels (SDPA
+    without a mask, flex) skip the masked half at the chip's fitted speed, slower for small heads; an
+    explicit mask (a sliding window no longer than the row, ModelSpec.masks_attention) sends SDPA to its
+    memory-efficient kernel, which computes every score at its own fitted speed; eager attention
+    computes every score with two batched matmuls at the matmul rate (the s² scores it writes are
+    memory traffic, plan/traffic.py)."""
     if w.attention == "eager":
-        return 1.0
-    return c.attention_speed * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0)
+        return 2.0
+    if w.model.masks_attention(w.seq_len):
+        return 2.0 / c.masked_attention_speed
+    return 1.0 / (c.attention(w.gpu.chip) * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0))
+
+
+def expert_flops(w: Workload) -> tuple[float, float]:
+    """(of training_flops, the routed experts' part; FLOPs beyond training_flops) per token: the experts a
+    token goes through, forward, input gradient, recompute, and their weight gradient when they train;
+    PEFT's LoRA on the fused expert parameters also computes the full weight gradient, which training_flops
+    (counting the adapters') leaves out."""
+    if not w.model.moe:
+        return 0.0, 0.0
+    active = sum(n * sum(linear.active_weight_params for linear in linears if linear.kind == "experts")
+                 for n, linears in params.layer_kinds(w.model))
+    counted = active * (4 + 2 * w.recompute_share + (2 if w.method == "full" else 0))
+    targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+    return counted, 2 * active if targets is not None and targets.experts else 0.0
+
+
+def grouped_efficiency(w: Workload, c: Calibration) -> float:
+    """The grouped expert matmul's rate ÷ the dense matmuls': m / (m + m½) with m the tokens each expert
+    gets on this rank (a micro-batch's tokens × top-k ÷ experts), m½ fitted: each expert's matmul carries
+    a fixed cost (its weights read, partial waves of tiles, the grouping's offsets) worth m½ tokens of work."""
+    spec = w.model
+    per_expert = w.tokens_per_micro_batch / w.cp * spec.experts_per_token / spec.num_experts
+    return per_expert / (per_expert + c.expert_tokens_half)
+
+
+def kernel_classes(w: Workload, c: Calibration = CALIBRATION) -> dict[str, float]:
+    """The GPU terms of one micro-batch regrouped as a profiler sorts kernels by name (bench/gpu_kit/
+    speed_terms.py): matmul (the linears, the experts and PEFT's LoRA matmuls with the bytes those
+    move), attention, 4-bit dequantization, and the other, memory-bound kernels; each with its kernels'
+    fixed time. They sum to gpu_seconds."""
+    terms, k = gpu_terms(w, c), c.kernel_gpu_s
+    bandwidth = memory_bytes_per_s(w) * c.memory_efficiency
+    lora, dequant = adapter_matmul_bytes(w) / bandwidth, dequantized_bytes(w) / bandwidth
+    matmuls, attention, dequants = matmul_kernels(w), attention_kernels(w), dequantizations(w) * DEQUANT_KERNELS
+    other = kernel_launches(w) - matmuls - attention - dequants
+    return {"matmul": terms["matmul"] + terms.get("experts", 0.0) + lora + matmuls * k,
+            "attention": terms["attention"] + attention * k,
+            "dequant": dequant + dequants * k,
+            "other": terms["memory-bound"] - lora - dequant + other * k}
 
 
 def optimizer_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
@@ -391,7 +483,8 @@ def memory_bytes_per_s(w: Workload) -> float:
 def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed:
     n = w.data_parallel_size  # a TP/CP group's GPUs share each micro-batch's FLOPs and tokens
     tokens_update = w.tokens_per_micro_batch * w.gradient_accumulation_steps
-    issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration) / w.model_parallel
+    issue, terms = issue_seconds(w, calibration), gpu_terms(w, calibration)
+    gpu, attention = sum(terms.values()) / w.model_parallel, terms["attention"] / w.model_parallel
     forward_share = training_flops(w)[0] / sum(training_flops(w))
     forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
     compute = w.gradient_accumulation_steps * micro_batch_seconds(issue, gpu, calibration) + optimizer_seconds(w, calibration)
@@ -402,7 +495,8 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
     exposed = exposed_seconds(items, gb_per_s, latency_s, forward, backward, w.gradient_accumulation_steps)
     group, (group_gb_per_s, group_latency_s) = model_parallel_collectives(w), model_parallel_link(w)
     comm += sum(c.seconds(group_gb_per_s, group_latency_s) for c in group)
-    exposed += exposed_seconds(group, group_gb_per_s, group_latency_s, forward, backward, w.gradient_accumulation_steps)
+    exposed += exposed_seconds(group, group_gb_per_s, group_latency_s, forward, backward, w.gradient_accumulation_steps,
+                               attention)
 
     offload = 0.0  # per update
     e = w.precision.compute_bytes
@@ -421,5 +515,5 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
         offload_s_per_token=offload / tokens_update,
         comm_bound=comm > compute,
         launch_bound=issue > gpu,
-        likely=speed_range(w, tuple(calibration.matmul_efficiency)),
+        likely=speed_range(w, calibration.chips),
     )
