@@ -3,13 +3,17 @@ communication that compute cannot hide, plus offload copies and the host optimiz
 
 One GPU's time per micro-batch combines two clocks that run side by side:
 - the host issuing kernels (eager PyTorch: Python and launch overhead per decoder layer, per
-  PEFT-adapted linear and per bitsandbytes dequantization; regional compilation shrinks it), and
-- the GPU executing them, a sum of terms that carry from one GPU to another:
-  matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for its chip (an A100 reaches
-  a larger fraction than an H100), attention FLOPs by kernel, head size and sequence length,
+  PEFT-adapted linear, per bitsandbytes dequantization and per chunk of the chunked loss; regional
+  compilation shrinks it), and
+- the GPU executing them, a sum of terms that carry from one GPU to another (`gpu_terms`): dense
+  matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for each GPU measured; a
+  mixture of experts' grouped matmuls, slower the fewer tokens each expert gets; attention FLOPs by
+  kernel (flash at a fitted share of the matmul rate per chip; SDPA's kernel for an explicit mask, as
+  a sliding window makes transformers pass, over every score; eager), head size and sequence length;
   memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
-  loss over the vocabulary, 4-bit dequantization) at the fitted fraction of the GPU's datasheet
-  memory bandwidth, and a fixed GPU time per kernel launched (launch and tail).
+  loss over the vocabulary, 4-bit dequantization, context parallelism's merges) at the fitted
+  fraction of the GPU's datasheet memory bandwidth; and a fixed GPU time per kernel launched
+  (launch and tail). `kernel_classes` regroups them as a profiler sorts kernels.
 Small shapes are bound by the host (a 1B LoRA at seq 512 spends about the same time per update on
 an H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The two overlap
 only in part: within a layer the host runs ahead while a large matmul executes and the GPU idles
@@ -17,17 +21,18 @@ through a run of small kernels, so a micro-batch takes more than the larger cloc
 the two are close: (Hᵖ + Gᵖ)^(1/p), with the exponent p fitted (p → ∞ is perfect overlap, p = 1 none).
 The optimizer step follows, memory-bound.
 The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
-plan/calibration/measured/*.csv and to published runs of another trainer (plan/calibration/speed_*.csv,
-fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
-chips' matmul efficiency; every estimate carries the range cross-validation supports
-(plan/speed_range.py).
+plan/calibration/measured/*.csv, the GPU kit's per-layer profile (plan/calibration/speed_terms_h200.csv)
+and published runs of other trainers (plan/calibration/speed_*.csv, fitted on the GPU clock only: their
+host is not ours). A GPU without measurements takes its chip's measured GPUs' matmul efficiency, or
+every measured GPU's; every estimate carries the range cross-validation supports (plan/speed_range.py).
 
 Communication is counted collective by collective (an α–β model): each collective moves a known
 number of bytes per rank over the link (ring algorithms send (n−1)/n of the buffer per all-gather
 or reduce-scatter, twice that per all-reduce) and pays a fixed latency per launch. What it can hide
 under depends on when the strategy issues it: DDP's bucketed all-reduce runs during the last
 micro-batch's backward, FSDP2/ZeRO-3 prefetch all-gathers during each forward and backward, and
-ZeRO-1/2 gather the updated weights after the optimizer step, where nothing hides them.
+ZeRO-1/2 gather the updated weights after the optimizer step, where nothing hides them, and context
+parallelism's ring passes keys and values while each hop's attention computes.
 `finetune scaling` measures tokens/s on 1, 2, … processes and times the gradient all-reduce to
 check this model.
 """
