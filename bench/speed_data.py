@@ -124,3 +124,23 @@ def chip_of(row: dict) -> str:
 
 def family_of(row: dict) -> tuple[str, str]:
     return chip_of(row), shape_family(workload_of(row))
+
+
+DEFAULTS = CALIBRATION_DIR / "speed_defaults_h200.csv"
+
+
+def default_cases(path: Path = DEFAULTS) -> list[dict]:
+    """The GPU kit's defaults on 2-layer cuts of full-width shapes on the H200 (bench/gpu_kit/defaults.py
+    with its defaults: LoRA and QLoRA bf16-true at 4096 × 2 with each loss, full fine-tuning bf16-mixed at
+    512 × 1 with fused or foreach AdamW; no checkpointing), in the measured files' columns, with the
+    median ms per update (forward, backward and the optimizer step, the GPU drained at both ends)."""
+    with open(path, newline="") as f:
+        found = [r for r in csv.DictReader(f) if r["status"] == "ok" and r["method"] in ("lora", "qlora", "full")]
+    return [{"case": f"{r['shape']} {r['method']} {r['variant']}", "file": path.name, "framework": "finetune",
+             "device": "H200", "model": r["shape"], "method": r["method"],
+             "precision": "bf16-mixed" if r["method"] == "full" else "bf16-true",
+             "seq_len": "512" if r["method"] == "full" else "4096", "micro_batch_size": "1" if r["method"] == "full" else "2",
+             "gradient_checkpointing": "false", "lora_r": "16", "lora_targets": "all-linear", "liger": "off",
+             "loss": "transformers" if r["method"] == "full" else r["variant"], "compile": "off",
+             "fused_adamw": "false" if r["variant"] == "foreach" else "true", "ms_per_update": float(r["ms_per_update"])}
+            for r in found]

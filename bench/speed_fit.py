@@ -18,7 +18,9 @@ What it fits (bench/speed_data.py reads each from the planner's package data, fi
   same classes of the plan (speed.kernel_classes). These are the only measurements that split the GPU's
   time between its terms (whole runs cannot tell a slow matmul from a slow elementwise kernel), so they
   are fitted. The profile's host time per layer and its "rest" (embedding, head and loss) are checks:
-  the host per layer was timed with the GPU busy beside it, and the rest mixes head, loss and embedding.
+  the host per layer is another host's than the runs' (the H100's), and the rest mixes head, loss and
+  embedding. The GPU kit's defaults on 2-layer cuts (speed_defaults_h200.csv: each loss, fused and
+  foreach AdamW; ms per update) are checks too.
 
 The fit: least squares on log errors over the coefficients in log space, with a weak prior per
 coefficient (PRIOR: a plausible value and how far the data may move it) so that a coefficient no
@@ -43,11 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed_data import (  # noqa: E402
     CUTS,
+    DEFAULTS,
     MEASURED,
     PUBLISHED,
     PUBLISHED_MOE_CP,
     TERMS,
     chip_of,
+    default_cases,
     family_of,
     moe_cp_rows,
     published_rows,
@@ -284,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("8-GPU published runs (GPU clock only):", report.published_table(rows, calibration, cv)),
                 ("Per decoder layer, the GPU kit's profile (measured / planned; kernel classes fitted, host a check):",
                  report.terms_table(cases, calibration)),
-                ("The rest of each profiled 2-layer cut (checks):", report.rest_table(cases, calibration))]
+                ("The rest of each profiled 2-layer cut (checks):", report.rest_table(cases, calibration)),
+                ("The GPU kit's defaults on 2-layer cuts, ms per update (checks):",
+                 report.defaults_table(default_cases(DEFAULTS), calibration))]
     if cv:
         sections.append(("Out-of-sample error by chip and shape family (RMS of the log errors, as ± %):", report.summary(rows, cv)))
     for title, lines in sections:

@@ -108,10 +108,10 @@ def geometric_mean(values: list[float]) -> float:
 # step took 7–13 % longer there), so each GPU measured has its own matmul efficiency. Its out-of-sample
 # errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
-    layer_issue_s=5.832e-03, adapter_issue_s=4.233e-04, dequant_issue_s=4.343e-04,
-    matmul_efficiency={"A100-40GB": 0.851, "H100-80GB": 0.871, "H200": 0.729},
-    attention_speed={"A100": 1.000, "H100": 0.359}, masked_attention_speed=0.468,
-    memory_efficiency=0.687, kernel_gpu_s=2.223e-06, expert_tokens_half=2589, overlap_exponent=3.04,
+    layer_issue_s=4.629e-03, adapter_issue_s=5.924e-04, dequant_issue_s=4.350e-04,
+    matmul_efficiency={"A100-40GB": 0.854, "H100-80GB": 0.872, "H200": 0.729},
+    attention_speed={"A100": 1.000, "H100": 0.359}, masked_attention_speed=0.473,
+    memory_efficiency=0.683, kernel_gpu_s=2.191e-06, expert_tokens_half=2516, overlap_exponent=3.03,
 )
 # The host's time to issue one decoder layer of each model code, relative to Llama's (whose runs,
 # with Mistral's, the fit rests on): Python and dispatcher work, the same on any host, measured by
@@ -135,6 +135,12 @@ SMALL_HEAD_ATTENTION = 0.85
 # Python of each layer; the issue time of a compiled layer as a fraction of eager. NOT MEASURED:
 # an assumption until a compiled run is committed, so such plans are marked extrapolated.
 COMPILED_ISSUE = 0.35
+# torch's foreach AdamW (its default on CUDA; FSDP2 steps with it) makes eight passes over parameter-sized
+# tensors (the weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) where the fused kernel makes
+# one. Measured on the H200 (bench/gpu_kit/defaults.py, 2-layer cuts of full fine-tuning): foreach took
+# 7.8 and 16.2 ms longer per update than fused over 0.70 and 1.49 B fp32 parameters, 36–37 bytes per
+# parameter at the fitted bandwidth: 9 state-sized tensors (its scratch, model_states' step_scratch, is one).
+FOREACH_EXTRA_PASSES = 9
 # fp32 matmuls run on TF32 tensor cores: half the bf16 rate.
 FP32_SPEED = 0.5
 # A GPU the catalog does not know (a dry run's device) gets an H100's bandwidth per peak TFLOP/s.
@@ -417,7 +423,7 @@ def attention_cost(w: Workload, c: Calibration) -> float:
     memory traffic, plan/traffic.py)."""
     if w.attention == "eager":
         return 2.0
-    if w.model.masks_attention(w.seq_len):
+    if w.attention == "sdpa" and w.model.masks_attention(w.seq_len):
         return 2.0 / c.masked_attention_speed
     return 1.0 / (c.attention(w.gpu.chip) * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0))
 
@@ -463,11 +469,11 @@ def kernel_classes(w: Workload, c: Calibration = CALIBRATION) -> dict[str, float
 
 def optimizer_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
     """The optimizer step, memory-bound: trainable weights, gradients and states read, weights and
-    states written (and the foreach temporaries), for the share of states this GPU updates
-    (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
+    states written in one pass (a fused kernel), and foreach AdamW's further passes, for the share of
+    states this GPU updates (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
     states = model_states(w)
     share = place_states(w, states).optimizer / states.optimizer if states.optimizer else 0.0
-    moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + 2 * states.step_scratch
+    moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + FOREACH_EXTRA_PASSES * states.step_scratch
     return share * moved / (memory_bytes_per_s(w) * c.memory_efficiency)
 
 
@@ -478,6 +484,13 @@ def micro_batch_seconds(issue: float, gpu: float, c: Calibration) -> float:
         return 0.0
     p = c.overlap_exponent
     return longer * ((issue / longer) ** p + (gpu / longer) ** p) ** (1 / p)
+
+
+def update_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
+    """One GPU's time per optimizer update without communication or offload: its micro-batches' two
+    clocks and the optimizer step (what a single-GPU run takes per update)."""
+    micro = micro_batch_seconds(issue_seconds(w, c), gpu_seconds(w, c), c)
+    return w.gradient_accumulation_steps * micro + optimizer_seconds(w, c)
 
 
 def memory_bytes_per_s(w: Workload) -> float:
