@@ -2,7 +2,7 @@
 tiny-width cuts on this CPU.
 
     python bench/layer_issue.py                 # every model type of the catalog, 5 rounds (~25 s)
-    python bench/layer_issue.py --rounds 7      # more rounds (the median counts): bench/RESULTS.md's
+    python bench/layer_issue.py --rounds 7      # more rounds (the median over rounds counts): bench/RESULTS.md's
 
 The speed model's host clock (finetune/plan/speed.py) charges each decoder layer the time eager
 transformers takes to issue its kernels, fitted on runs of Llama and Mistral model code only. Other
@@ -12,9 +12,11 @@ router and its experts (transformers' grouped matmuls, on a CPU as on a GPU; the
 measured here, where the tensors are so small that executing the kernels costs next to nothing: each
 catalog model type cut to width 64 (families.shrink: the same classes, biases, norms and head
 ratio), built at 2 and 8 layers, every weight trained (LoRA's adapters are counted apart, per
-adapted linear), one row of 16 tokens, the median of --steps forward and backward passes after a
-warm-up; a sixth of the cuts' difference is one layer. The model types take turns, round by round,
-so a machine that slows down mid-run slows them all. Prints each model type's per-layer time and its
+adapted linear), one row of 16 tokens, the fastest of --steps forward and backward passes after a
+warm-up (the fastest, not the median: on a shared machine a pass longer than the scheduler's slice
+is preempted more often than a short one, which inflates long passes against short ones); a sixth of
+the cuts' difference is one layer. The model types take turns, round by round, so a machine that
+slows down mid-run slows them all; the median over rounds counts. Prints each model type's per-layer time and its
 ratio to Llama's: `LAYER_ISSUE_RELATIVE` in finetune/plan/speed.py.
 
 The chunked loss's loop (train/chunked_loss.py) takes its turn too: its forward and backward over
@@ -63,7 +65,7 @@ def seconds_per_pass(model: torch.nn.Module, steps: int, warmup: int = 3) -> flo
         started = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         times.append(time.perf_counter() - started)
-    return statistics.median(times[warmup:])
+    return min(times[warmup:])
 
 
 def loss_seconds(chunk: int, steps: int, warmup: int = 3) -> float:
@@ -79,7 +81,7 @@ def loss_seconds(chunk: int, steps: int, warmup: int = 3) -> float:
             started = time.perf_counter()
             chunked_loss.chunked_cross_entropy(hidden, head, labels).backward()
             times.append(time.perf_counter() - started)
-    return statistics.median(times[warmup:])
+    return min(times[warmup:])
 
 
 def per_layer_ms(cuts: dict[str, tuple[torch.nn.Module, torch.nn.Module]], steps: int, rounds: int) -> dict[str, float]:
@@ -97,7 +99,7 @@ def per_layer_ms(cuts: dict[str, tuple[torch.nn.Module, torch.nn.Module]], steps
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="passes per measurement (the median counts)")
+    parser.add_argument("--steps", type=int, default=20, help="passes per measurement (the fastest counts)")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per model type, taking turns")
     args = parser.parse_args(argv)
     quiet_libraries()
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for t, name in types.items():
         print(f"| {t} | {name} | {ms[t]:.3f} | {ms[t] / ms['llama']:.2f} |")
-    print(f"| chunked loss, per chunk | - | {ms['chunked loss']:.3f} | {ms['chunked loss'] / ms['llama']:.2f} |")
+    print(f"| chunked loss, per chunk | - | {ms['chunked loss']:.3f} | {ms['chunked loss'] / ms['llama']:.3f} |")
     print(f"\nLAYER_ISSUE_RELATIVE = {({t: round(ms[t] / ms['llama'], 2) for t in types})!r}")
-    print(f"LOSS_CHUNK_ISSUE_RELATIVE = {ms['chunked loss'] / ms['llama']:.2f}")
+    print(f"LOSS_CHUNK_ISSUE_RELATIVE = {ms['chunked loss'] / ms['llama']:.3f}")
     return 0
 
 
