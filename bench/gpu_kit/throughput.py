@@ -52,8 +52,9 @@ from forked import run_logged  # noqa: E402
 
 from finetune.cli import use_expandable_segments  # noqa: E402
 from finetune.config.flags import parse_config  # noqa: E402
+from finetune.config.names import STRATEGIES  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
-from finetune.config.switches import liger_problem  # noqa: E402
+from finetune.config.switches import fp8_problem, liger_problem  # noqa: E402
 from finetune.models import catalog  # noqa: E402
 from finetune.plan import gpus  # noqa: E402
 from finetune.plan.choose import fewest_checkpointed  # noqa: E402
@@ -64,7 +65,7 @@ from finetune.plan.workload import Workload, from_run  # noqa: E402
 from finetune.train.dry_run import device_of  # noqa: E402
 
 MIN_ROW_SECONDS = 60  # a 7B row: interpreter and imports, 14 GB of weights from the page cache, the updates
-CSV_FIELDS = ("row", "program", "liger", "compile", "status", "tokens_per_second", "planned_tokens_per_second",
+CSV_FIELDS = ("row", "program", "liger", "compile", "fp8", "status", "tokens_per_second", "planned_tokens_per_second",
               "allocated_gib", "planned_allocated_gib", "reserved_gib", "planned_device_gib", "allocator",
               "compile_seconds", "first_update_seconds", "seconds", "losses", "error")
 
@@ -75,6 +76,7 @@ class Row:
     program: str  # "finetune", "trl" or "peft-loop"
     liger: bool = False
     compile: bool = False
+    fp8: bool = False  # --fp8: LoRA's frozen base in float8 matmuls (LoRA only, compute capability ≥ 8.9)
     chunked_loss: bool = True  # finetune's default for LoRA/QLoRA; off: the model's own loss, as on 2026-11-25
     planned_layers: bool = False  # checkpoint only the layers `finetune plan` picks for --gpu (else all of them)
 
@@ -83,7 +85,8 @@ class Row:
 # chunked loss, fused AdamW, every layer checkpointed; Liger pinned off), then each default's A/B
 # (the model's own loss as on 2026-11-25; the partial checkpointing the plan recommends, with its
 # memory beside the plan; Liger), then the anchor finetune must beat (TRL + Liger) and finetune's
-# fastest plan; the compiled rows last (their first update compiles for a minute or more).
+# fastest plan; the float8 base (--fp8, against --liger); the compiled rows last (their first update
+# compiles for a minute or more): the fused LoRA path, then with float8 matmuls (against --liger --compile).
 ROWS = (
     Row("finetune", "finetune"),
     Row("finetune --no-chunked-loss", "finetune", chunked_loss=False),
@@ -93,9 +96,16 @@ ROWS = (
     Row("finetune --liger, ckpt as planned", "finetune", liger=True, planned_layers=True),
     Row("TRL SFTTrainer", "trl"),
     Row("bare PEFT loop, fused AdamW", "peft-loop"),
+    Row("finetune --liger --fp8", "finetune", liger=True, fp8=True),
     Row("finetune --compile", "finetune", compile=True),
     Row("finetune --liger --compile", "finetune", liger=True, compile=True),
+    Row("finetune --liger --fp8 --compile", "finetune", liger=True, compile=True, fp8=True),
 )
+
+
+def refused(row: Row, args: argparse.Namespace) -> str | None:
+    """Why finetune refuses the row's flags for --method (--fp8 is LoRA's), or None."""
+    return fp8_problem(args.method, "bf16-true", STRATEGIES["single"], True) if row.fp8 else None
 
 
 def planned(row: Row, args: argparse.Namespace) -> dict:
@@ -137,7 +147,8 @@ def row_command(row: Row, args: argparse.Namespace) -> list[str]:
                 str(data), "--method", args.method, "--seq-len", str(args.seq_len), "--micro-batch-size",
                 str(args.micro_batch_size), "--steps", str(args.steps), *(["--liger"] if row.liger else []),
                 "--result", str(run_dir(row, args) / "result.json")]
-    layers = checkpointing_flags(workload(row, args))[1:]  # --gradient-checkpointing-layers N, if the plan has it
+    # --gradient-checkpointing-layers N, if the plan has it (a row refused for --method is listed, never run)
+    layers = [] if refused(row, args) else checkpointing_flags(workload(row, args))[1:]
     return [sys.executable, "-m", "finetune", *train_flags(row, args, str(checkpoint), data), *layers]
 
 
@@ -150,10 +161,10 @@ def train_flags(row: Row, args: argparse.Namespace, model: str, data: Path) -> l
             "--gradient-accumulation-steps", "1", "--lora-r", "16", "--lora-targets", "all-linear", "--optimizer", "adamw",
             "--log-every", "1", "--max-eval-examples", "0", "--num-samples", "0", "--no-save-final",
             "--liger" if row.liger else "--no-liger", "--compile" if row.compile else "--no-compile",
-            *([] if row.chunked_loss else ["--no-chunked-loss"]), "--output-dir", str(run_dir(row, args))]
+            *(["--fp8"] if row.fp8 else []), *([] if row.chunked_loss else ["--no-chunked-loss"]), "--output-dir", str(run_dir(row, args))]
 
 
-def skip_reason(row: Row, cuda: bool, model_type: str = "mistral") -> str | None:
+def skip_reason(row: Row, cuda: bool, model_type: str = "mistral", fp8_gpu: bool = True) -> str | None:
     """Why the row cannot run on this machine, or None. finetune would run --liger without the
     kernels (with a note) rather than fail, so a liger-kernel that is missing, does not import or
     does not cover the model skips its rows too."""
@@ -163,6 +174,8 @@ def skip_reason(row: Row, cuda: bool, model_type: str = "mistral") -> str | None
         return "trl is not installed (carry bench/gpu_kit/wheels: bash bench/gpu_kit/wheels.sh)"
     if row.liger and liger_problem(cuda, model_type):
         return f"{liger_problem(cuda, model_type)} (carry bench/gpu_kit/wheels: bash bench/gpu_kit/wheels.sh)"
+    if row.fp8 and not fp8_gpu:
+        return fp8_problem("lora", "bf16-true", STRATEGIES["single"], False)
     return None
 
 
@@ -170,10 +183,10 @@ def dry_run(args: argparse.Namespace) -> None:
     print(f"{args.model} {args.method} r16 all-linear, bf16, checkpointing, seq {args.seq_len}, micro batch "
           f"{args.micro_batch_size}, {args.steps} updates per row, on {args.gpu_spec.name}:")
     for row in ROWS:
-        plan = planned(row, args)
-        rate = plan["planned_tokens_per_second"]
+        plan = {} if refused(row, args) else planned(row, args)
+        rate = plan.get("planned_tokens_per_second")
         text = (f"planned {rate:,.0f} tok/s, {plan['planned_allocated_gib']:.1f} GiB allocated" if rate
-                else "not planned (another program)")
+                else f"skipped: {refused(row, args)}" if refused(row, args) else "not planned (another program)")
         print(f"  {row.name:<34} {row.program:<10} liger={'on' if row.liger else 'off':<4}"
               f"compile={'on' if row.compile else 'off':<4} {text}")
         print(f"      $ {shlex.join(row_command(row, args))}")
@@ -202,7 +215,10 @@ def run_rows(args: argparse.Namespace) -> int:
 
     use_expandable_segments()  # every row's process inherits it: TRL's and the PEFT loop's as finetune's own
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
-    reasons = {row: skip_reason(row, torch.cuda.is_available(), catalog.get(args.model).model_type) for row in ROWS}
+    cuda = torch.cuda.is_available()
+    fp8_gpu = cuda and torch.cuda.get_device_capability() >= (8, 9)
+    reasons = {row: refused(row, args) or skip_reason(row, cuda, catalog.get(args.model).model_type, fp8_gpu)
+               for row in ROWS}
     checkpoint, data = inputs(args)
     if any(reason is None for reason in reasons.values()):
         memory.write_text_data(data, args.seq_len)
@@ -210,8 +226,8 @@ def run_rows(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for row in ROWS:
-        result = {"row": row.name, "program": row.program, "liger": row.liger, "compile": row.compile,
-                  "allocator": allocator, **planned(row, args)}
+        result = {"row": row.name, "program": row.program, "liger": row.liger, "compile": row.compile, "fp8": row.fp8,
+                  "allocator": allocator, **({"planned_tokens_per_second": None} if refused(row, args) else planned(row, args))}
         if reasons[row]:
             result["status"] = f"skipped: {reasons[row]}"
         elif args.deadline and args.deadline - time.time() < MIN_ROW_SECONDS:

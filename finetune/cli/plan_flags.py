@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
+    parser.add_argument("--fp8", action="store_true", default=None,
+                        help="plan LoRA with its frozen base's matmuls in float8 (twice the bf16 rate on GPUs with FP8 "
+                        "tensor cores; a float8 copy of each base weight); LoRA on one GPU or DDP only; default off")
     parser.add_argument("--tp", type=int, help="tensor parallel size: GPUs of a node that split every linear layer "
                         "(default: searched; 1: none)")
     parser.add_argument("--cp", type=int, help="context parallel size: GPUs that split every row's tokens (default: "

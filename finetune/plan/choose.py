@@ -31,14 +31,14 @@ from finetune.config.names import (
     default_precision,
     named,
 )
-from finetune.config.switches import Switches, resolve_switches
+from finetune.config.switches import Switches, fp8_problem, resolve_switches
 from finetune.errors import FinetuneError
 from finetune.models.catalog import ModelSpec
 from finetune.plan import parallel
 from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, Breakdown, estimate, kept_layer_activations, unmeasured_terms
 from finetune.plan.speed import CALIBRATION, Speed, dequantization_seconds, estimate_speed, gpu_seconds, issue_seconds
-from finetune.plan.workload import Workload
+from finetune.plan.workload import Workload, runs_fp8
 
 # Largest micro batch the search tries: beyond it a GPU is saturated and accumulation is free.
 MAX_MICRO_BATCH = 64
@@ -86,6 +86,7 @@ class Request:
     liger: bool | None = None  # Liger kernels (--liger): no full-vocabulary logits, faster GPU clock; unset: as the trainer decides
     chunked_loss: bool | None = None  # the loss through the LM head in chunks; unset: where the trainer turns it on
     compile: bool = False  # regional compilation of the decoder blocks (--compile): less per-layer issue time
+    fp8: bool = False  # LoRA's frozen base in float8 matmuls (--fp8): LoRA plans only, on GPUs with FP8 tensor cores
     tp: int | None = None  # tensor parallel size; None: the planner searches (plan/parallel.py)
     cp: int | None = None  # context parallel size; None: the planner searches long rows
 
@@ -171,10 +172,26 @@ def validate(request: Request) -> None:
         problems.append(f"--micro-batch-size must be ≥ 1, got {request.micro_batch_size}")
     if request.host_memory_gib is not None and request.host_memory_gib <= 0:
         problems.append(f"--host-memory must be > 0 GiB, got {request.host_memory_gib:g}")
+    if request.fp8:
+        problems += fp8_request_problems(request)
     if request.tokens is not None and not 0 < request.tokens < math.inf:  # inf: no hours, and not JSON
         problems.append(f"--tokens must be a finite number > 0 (e.g. 1e9), got {request.tokens:g}")
     if problems:
         raise FinetuneError("Cannot plan this request:\n  - " + "\n  - ".join(problems))
+
+
+def fp8_request_problems(request: Request) -> list[str]:
+    """What `--fp8` cannot plan: a GPU without float8 matmuls, or a method, precision or strategy the
+    run would refuse (config.switches.fp8_problem)."""
+    problems = []
+    if not runs_fp8(request.gpu):
+        problems.append(f"--fp8: {request.gpu.name} cannot run finetune's float8 matmuls (NVIDIA GPUs of compute "
+                        "capability 8.9 or newer: L40S, RTX 4090, RTX 6000 Ada, H100, H200)")
+    method = "lora" if request.method == "auto" else request.method
+    precision = (request.precision or default_precision(method, request.gpu.bf16)).name
+    strategy = request.strategy or STRATEGIES["ddp" if request.gpus_per_node * request.nodes > 1 else "single"]
+    why = fp8_problem(method, precision, strategy, True, request.tp or 1)
+    return problems + ([why] if why else [])
 
 
 def _strategy_problems(strategy: Strategy, request: Request, world: int) -> list[str]:
@@ -223,7 +240,10 @@ def candidates(request: Request) -> list[Workload]:
                     lora_r=request.lora_r, lora_targets=request.lora_targets,
                     gradient_accumulation_steps=request.gradient_accumulation_steps,
                     loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=request.compile,
+                    fp8=request.fp8,
                 )
+                if request.fp8 and fp8_problem(method, precision.name, strategy, True):
+                    continue  # --fp8 plans only what runs with it (LoRA in bf16-true, one GPU or DDP)
                 workloads += [replace(workload, tp=tp, cp=cp, loss=planned_switches(request, strategy, method, optimizer,
                                                                                      tp, cp).loss)
                               for tp, cp in layouts(request, workload)]

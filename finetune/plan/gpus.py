@@ -32,23 +32,24 @@ class GPUSpec:
     aliases: tuple[str, ...] = ()
     memory_tb_per_s: float = 0.0  # device memory bandwidth, TB/s (datasheet); 0: unknown
     chip: str = ""  # the die: GPUs of one chip share the matmul efficiency the speed model fits (H200 is an H100's)
+    fp8_tflops: float = 0.0  # dense tensor-core peak for FP8 (datasheet, without sparsity); 0: no FP8 tensor cores
 
 
 _CATALOG: tuple[GPUSpec, ...] = (
     GPUSpec("A100-40GB", 40.0, 312, True, "NVLink", 300, 1.29, 144, ("a100-40g", "a100-sxm4-40gb", "a100 40gb"), 1.555, "A100"),
     GPUSpec("A100-80GB", 80.0, 312, True, "NVLink", 300, 1.79, 144, ("a100-80g", "a100-sxm4-80gb", "a100 80gb"), 2.039, "A100"),
-    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, 256, ("h100", "h100-sxm", "h100-80g", "h100-sxm5"), 3.35, "H100"),
-    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, 256, ("h200-141gb", "h200-sxm"), 4.8, "H100"),
-    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, 192, ("l40s-48gb",), 0.864, "L40S"),
+    GPUSpec("H100-80GB", 79.6, 989, True, "NVLink", 450, 2.99, 256, ("h100", "h100-sxm", "h100-80g", "h100-sxm5"), 3.35, "H100", 1979),
+    GPUSpec("H200", 140.4, 989, True, "NVLink", 450, 3.79, 256, ("h200-141gb", "h200-sxm"), 4.8, "H100", 1979),
+    GPUSpec("L40S", 45.0, 362, True, "PCIe", 32, 1.15, 192, ("l40s-48gb",), 0.864, "L40S", 733),
     GPUSpec("A10G", 22.5, 70, True, "PCIe", 16, 1.01, 96, ("a10g-24gb",), 0.6, "A10G"),
     GPUSpec("L4", 22.5, 121, True, "PCIe", 32, 0.80, 96, ("l4-24gb",), 0.3, "L4"),
     GPUSpec("RTX3090", 24.0, 71, True, "PCIe", 16, 0.22, 64, ("rtx-3090", "3090", "geforce-rtx-3090"), 0.936, "RTX3090"),
-    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, 64, ("rtx-4090", "4090", "geforce-rtx-4090"), 1.008, "RTX4090"),
-    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, 128, ("rtx-6000-ada", "rtx6000ada", "6000-ada"), 0.96, "RTX6000-Ada"),
+    GPUSpec("RTX4090", 24.0, 165, True, "PCIe", 16, 0.40, 64, ("rtx-4090", "4090", "geforce-rtx-4090"), 1.008, "RTX4090", 330),
+    GPUSpec("RTX6000-Ada", 48.0, 364, True, "PCIe", 32, 0.80, 128, ("rtx-6000-ada", "rtx6000ada", "6000-ada"), 0.96, "RTX6000-Ada", 728),
     GPUSpec("V100-16GB", 15.8, 125, False, "NVLink", 150, 0.60, 61, ("v100-16g", "v100-sxm2-16gb"), 0.9, "V100"),
     GPUSpec("V100-32GB", 31.7, 125, False, "NVLink", 150, 0.80, 96, ("v100-32g", "v100-sxm2-32gb"), 0.9, "V100"),
     GPUSpec("T4", 15.0, 65, False, "PCIe", 8, 0.35, 48, ("t4-16gb", "tesla-t4"), 0.32, "T4"),
-    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi300x-192gb", "mi300"), 5.3, "MI300X"),
+    GPUSpec("MI300X", 192.0, 1307, True, "Infinity Fabric", 448, 2.50, 256, ("mi300x-192gb", "mi300"), 5.3, "MI300X", 2615),
 )
 
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}

@@ -14,7 +14,17 @@ from dataclasses import dataclass
 from finetune.config.names import trains_pure_bf16
 from finetune.config.switches import chunk_tokens
 from finetune.plan import moe, parallel
-from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
+from finetune.plan.params import (
+    NF4_BYTES,
+    NF4_DOUBLE_QUANT_BYTES,
+    Linear,
+    adapted,
+    count_params,
+    layer_kinds,
+    layer_linears,
+    lora_params,
+    resolve_lora_targets,
+)
 from finetune.plan.workload import Workload
 
 GIB = 2**30
@@ -113,7 +123,7 @@ def model_states(w: Workload) -> ModelStates:
     if w.method == "full":
         frozen, constants = counts.tower * base_bytes, 0.0
     elif w.method == "lora":
-        frozen, constants = counts.total * base_bytes, 0.0
+        frozen, constants = counts.total * base_bytes + fp8_params(w) * FP8_BYTES, 0.0
     else:
         nf4 = NF4_DOUBLE_QUANT_BYTES if w.double_quant else NF4_BYTES
         frozen = counts.quantizable * 0.5 + (counts.total - counts.quantizable) * unquantized_bytes(w)
@@ -383,6 +393,8 @@ def unmeasured_terms(w: Workload) -> list[str]:
         terms.append(f"the chunked loss's scratch ({chunk_scratch_bytes(w) / GIB:.2f} GiB, simulated on CPU)")
     if w.fused_optimizer and w.optimizer == "adamw" and not w.deepspeed:
         terms.append("fused AdamW's step (counted without foreach temporaries)")
+    if w.fp8:
+        terms.append(f"--fp8's float8 weight copies and cast scratch ({(fp8_params(w) * FP8_BYTES + fp8_scratch_bytes(w)) / GIB:.1f} GiB)")
     return terms
 
 
@@ -452,6 +464,38 @@ def dequant_scratch_bytes(w: Workload) -> float:
     return largest * w.precision.compute_bytes  # dequantized experts: moe.materialized_weight_bytes
 
 
+# --fp8 (train/fp8.py) keeps a float8 copy of each frozen weight it casts, one byte per weight, beside
+# the 16-bit one; a cast makes an fp32 copy of its operand on the way (4 bytes per element, then 1)
+FP8_BYTES = 1
+FP8_CAST_BYTES = 4 + FP8_BYTES
+
+
+def fp8_linears(w: Workload) -> list[tuple[int, Linear]]:
+    """(layers, linear) of each frozen base linear --fp8 casts: the LoRA-adapted linears of the decoder
+    layers that are one matrix (fused experts keep their 16-bit matmuls)."""
+    if not w.fp8:
+        return []
+    targets = lora_targets(w)
+    return [(n, linear) for n, linears in layer_kinds(w.model) for linear in adapted(linears, targets) if linear.copies == 1]
+
+
+def fp8_params(w: Workload) -> int:
+    """Weights --fp8 holds a float8 copy of."""
+    return sum(n * linear.weight_params for n, linear in fp8_linears(w))
+
+
+def fp8_scratch_bytes(w: Workload) -> float:
+    """--fp8's temporaries at its widest linear: the operand it casts (the input forward, the output's
+    gradient backward) as fp32 and as float8 for one micro-batch, and, backward, the float8 weight
+    laid out transposed for the kernel."""
+    linears = [linear for _, linear in fp8_linears(w)]
+    if not linears:
+        return 0.0
+    widest = max(max(linear.fan_in, linear.fan_out) for linear in linears)
+    largest = max(linear.weight_params for linear in linears)
+    return parallel.tokens_per_rank(w) * widest * FP8_CAST_BYTES + largest * FP8_BYTES
+
+
 # Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
 CHECKPOINT_SHARD_BYTES = 5e9
 
@@ -506,7 +550,7 @@ def estimate(w: Workload) -> Breakdown:
     weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
 
     persistent = comm_buffer_bytes(w, states)
-    scratch = dequant_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
+    scratch = dequant_scratch_bytes(w) + fp8_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
     moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
     activations, transient = max(moments, key=sum)
     if activations + transient >= step_scratch:

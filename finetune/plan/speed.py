@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from finetune.config.switches import chunk_tokens
 from finetune.plan import gpus, params
 from finetune.plan.gpus import GPUSpec
-from finetune.plan.memory import DS_BUCKET_ELEMENTS, model_states, place_states, trainable_params
+from finetune.plan.memory import DS_BUCKET_ELEMENTS, fp8_linears, fp8_params, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
 from finetune.plan.traffic import (
@@ -55,6 +55,7 @@ from finetune.plan.traffic import (
     dequantizations,
     dequantized_bytes,
     kernel_launches,
+    layer_kernels,
     matmul_kernels,
     traffic,
 )
@@ -143,6 +144,12 @@ COMPILED_ISSUE = 0.35
 # 7.8 and 16.2 ms longer per update than fused over 0.70 and 1.49 B fp32 parameters, 36–37 bytes per
 # parameter at the fitted bandwidth: 9 state-sized tensors (its scratch, model_states' step_scratch, is one).
 FOREACH_EXTRA_PASSES = 9
+# --fp8 (train/fp8.py) casts each operand of its float8 matmuls (a base linear's input forward, its
+# output's gradient backward): kernels per cast (the absolute maximum, the scale and its inverse, the
+# product, the cast) and bytes moved per 16-bit element (read for the maximum, read and written as the
+# product, read and written as one byte); compiled blocks fuse the product into the cast. NOT MEASURED.
+FP8_CAST_KERNELS = {"eager": 6, "compiled": 3}
+FP8_CAST_BYTES = {"eager": 9, "compiled": 5}
 # fp32 matmuls run on TF32 tensor cores: half the bf16 rate.
 FP32_SPEED = 0.5
 # A GPU the catalog does not know (a dry run's device) gets an H100's bandwidth per peak TFLOP/s.
@@ -368,7 +375,9 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     passes = 1 + FORWARD_SHARE * w.recompute_share
     layer_s = c.layer_issue_s * LAYER_ISSUE_RELATIVE.get(w.model.model_type, 1.0)
     per_pass = (layers * layer_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
-    return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c)
+    # --fp8's casts at a decoder layer's issue time per kernel, compiled or not
+    fp8_issue = fp8_kernels(w) * c.layer_issue_s / layer_kernels(w.model) * (COMPILED_ISSUE if w.compile else 1.0)
+    return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c) + fp8_issue
 
 
 def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[float, float]:
@@ -397,18 +406,44 @@ def gpu_terms(w: Workload, c: Calibration) -> dict[str, float]:
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
     experts, extra = expert_flops(w)
-    terms = {"matmul": tokens * (forward + backward - attention - experts) / rate,
+    terms = {"matmul": tokens * (forward + backward - attention - experts - fp8_flops(w)) / rate,
              "attention": tokens * attention * attention_cost(w, c) / rate,
              "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
              "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
     if experts:
         terms["experts"] = tokens * (experts + extra) / (rate * grouped_efficiency(w, c))
-    return terms
+    return terms | ({"fp8 matmul": fp8_seconds(w, c)} if w.fp8 else {})
 
 
 def matmul_rate(w: Workload, c: Calibration) -> float:
     """FLOP/s of the dense matmuls: the GPU's bf16 peak at its fitted efficiency (TF32 for fp32)."""
     return w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu) * (FP32_SPEED if w.precision.fp32 else 1.0)
+
+
+def fp8_flops(w: Workload) -> float:
+    """FLOPs per token of the frozen base matmuls --fp8 runs in float8: forward, input gradient, and
+    the forward again for the layers checkpointing recomputes (no weight gradient: the base is frozen)."""
+    return 2 * fp8_params(w) * (2 + w.recompute_share)
+
+
+def fp8_seconds(w: Workload, c: Calibration) -> float:
+    """GPU seconds of one micro-batch's float8 matmuls: their FLOPs at the GPU's fitted share of its
+    FP8 peak (the bf16 matmuls' share, not fitted on FP8), the casts of their operands at the fitted
+    share of the bandwidth, their kernels, and the backward's transposed copy of each float8 weight."""
+    tokens, passes = w.tokens_per_micro_batch, 1 + w.recompute_share
+    rate = w.gpu.fp8_tflops * 1e12 * c.efficiency(w.gpu)
+    cast = "compiled" if w.compile else "eager"
+    cast_elements = sum(n * (passes * linear.fan_in + linear.fan_out) for n, linear in fp8_linears(w))
+    cast_bytes = tokens * cast_elements * FP8_CAST_BYTES[cast] + 2 * fp8_params(w)
+    return (tokens * fp8_flops(w) / rate + cast_bytes / (memory_bytes_per_s(w) * c.memory_efficiency)
+            + fp8_kernels(w) * c.kernel_gpu_s)
+
+
+def fp8_kernels(w: Workload) -> float:
+    """Kernels --fp8 adds per micro-batch: the casts of each float8 matmul's operand (forward, recompute,
+    backward) and the backward's transposed weight."""
+    cast = FP8_CAST_KERNELS["compiled" if w.compile else "eager"]
+    return sum(n * ((2 + w.recompute_share) * cast + 1) for n, _ in fp8_linears(w))
 
 
 def gpu_seconds(w: Workload, c: Calibration) -> float:

@@ -41,7 +41,7 @@ MEASURED_ARCHITECTURES = ("llama", "mistral")
 # are fitted to other programs' 8-GPU runs only (bench/RESULTS.md, *Speed model*: left out one at a
 # time they come out within +8 … +28 %), which these spreads cover.
 UNMEASURED_SPREAD = {"communication": 0.25, "offload": 0.4, "compiled blocks": 0.3,
-                     "mixture-of-experts routing": 0.3, "model code": 0.4}
+                     "mixture-of-experts routing": 0.3, "model code": 0.4, "fp8 matmuls": 0.3}
 # ± this many spreads hold the central 80 % of a normal distribution of log errors.
 LIKELY_Z = 1.2816
 
@@ -74,6 +74,8 @@ def unmeasured_terms(w: Workload) -> dict[str, str]:
         terms["offload"] = "offload"
     if w.compile:
         terms["compiled blocks"] = "compiled blocks"
+    if w.fp8:
+        terms["fp8 matmuls"] = "fp8 matmuls"
     if w.model.moe:
         terms["mixture-of-experts routing"] = "mixture-of-experts routing"
     if w.model.model_type not in MEASURED_ARCHITECTURES:

@@ -267,11 +267,14 @@ def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
     checkpoint = tmp_path / "random-init/mistral-7b"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
-    assert len(lines) == 2 * len(throughput.ROWS) == 20
+    assert len(lines) == 2 * len(throughput.ROWS) == 24
     for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
         assert line[:36].strip() == row.name and command.startswith("      $ ")
         argv = shlex.split(command.removeprefix("      $ "))
-        if row.program == "finetune":
+        if row.fp8:  # LoRA's: listed, never planned nor run for QLoRA
+            assert "skipped: --fp8 casts LoRA's frozen 16-bit base weights to float8, and QLoRA's base" in line
+            assert parse_config(argv[3:]).fp8 and throughput.refused(row, args)
+        elif row.program == "finetune":
             plan = throughput.planned(row, args)
             assert f"planned {plan['planned_tokens_per_second']:,.0f} tok/s, {plan['planned_allocated_gib']:.1f} GiB" in line
             config = parse_config(argv[3:])
@@ -300,10 +303,26 @@ def test_throughput_rows_measure_the_defaults_ab_pairs_first():
     names = [row.name for row in throughput.ROWS]
     assert names[:5] == ["finetune", "finetune --no-chunked-loss", "finetune, ckpt as planned", "finetune --liger",
                          "TRL SFTTrainer use_liger_kernel"]
-    assert [row.compile for row in throughput.ROWS][-2:] == [True, True] and not any(r.compile for r in throughput.ROWS[:-2])
+    assert [row.compile for row in throughput.ROWS][-3:] == [True] * 3 and not any(r.compile for r in throughput.ROWS[:-3])
     default, own_loss, planned_layers, liger = throughput.ROWS[:4]
     assert default.chunked_loss and not (default.liger or default.planned_layers)
     assert not own_loss.chunked_loss and planned_layers.planned_layers and liger.liger
+
+
+def test_throughput_fp8_rows_are_planned_with_the_float8_base_for_lora(tmp_path):
+    """For LoRA the --fp8 rows run `--fp8` beside their bf16 twins (--liger; --liger --compile), and their
+    plan counts the float8 copies (one byte per frozen linear weight: 6.5 GiB more at Mistral-7B)."""
+    import throughput
+
+    args = throughput.parse_args(["--dry-run", "--method", "lora", "--work", str(tmp_path)])
+    rows = {row.name: row for row in throughput.ROWS}
+    for fp8, bf16 in (("finetune --liger --fp8", "finetune --liger"),
+                      ("finetune --liger --fp8 --compile", "finetune --liger --compile")):
+        assert throughput.refused(rows[fp8], args) is None
+        assert throughput.workload(rows[fp8], args).fp8 and not throughput.workload(rows[bf16], args).fp8
+        assert "--fp8" in throughput.train_flags(rows[fp8], args, "mistral-7b", tmp_path / "rows.jsonl")
+        more = throughput.planned(rows[fp8], args)["planned_allocated_gib"] - throughput.planned(rows[bf16], args)["planned_allocated_gib"]
+        assert 6.4 < more < 7.5
 
 
 def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
