@@ -136,7 +136,7 @@ def split_into_nodes(request_fields: dict) -> None:
     """More GPUs than one host holds, with no --nodes: plan them as nodes of the GPU's usual host
     (and say so), not as one impossible node with all their host RAM."""
     gpu, count = request_fields["gpu"], request_fields["gpus_per_node"]
-    usual = gpu_catalog.usual_gpus_per_node(gpu.name)
+    usual = gpu_catalog.usual_gpus_per_node(gpu.speed_of or gpu.name)
     if request_fields.get("nodes") is not None or count <= usual:
         return
     per_node = max(n for n in range(1, usual + 1) if count % n == 0)  # whole nodes, as full as a host allows

@@ -29,13 +29,27 @@ from finetune.plan.workload import Workload
 
 GIB = 2**30
 
-# PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
-# between differently sized activations); what runs out is the reserved memory. finetune runs with
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli/__init__.py), which keeps the gap small: one H100,
-# a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
-# allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
-# largest measured ratio − 1 with expandable segments (plan/calibration/measured/*.csv, bench/speed_fit.py).
-ALLOCATOR_SLACK = 0.16
+# PyTorch's caching allocator reserves more than it hands out: freed blocks stay cached for the next
+# tensor that fits them. finetune runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# (cli/__init__.py), which grows one segment per stream instead of keeping differently sized ones, so
+# the gap is small, and grows with the vocabulary-sized blocks the loss frees just before a peak at the
+# loss. Fitted by bench/planner_accuracy.py (`slack_fit`) to plan/calibration/allocator.csv:
+# - ALLOCATOR_SLACK, the largest reserved/allocated − 1 of the rows whose loss holds no full-vocabulary
+#   logits: Mistral-7B LoRA at 4096 × 2 on one H200 (finetune and TRL, chunked loss or Liger, every layer
+#   or 1 of 32 checkpointed: differently sized activations), 1.016–1.020×;
+# - VOCABULARY_CACHE, what a row whose peak is at the loss reserved beyond that, per byte of one fp32 copy
+#   of its logits: Qwen2.5-7B QLoRA, 152k vocabulary, 2048 × 2 on one H100, 12.4 GiB allocated, 14.4
+#   reserved (27.4 with the default allocator). One row: the first coefficient to refit.
+# When the card is nearly full, the allocator frees its cached blocks and retries before it reports out
+# of memory (expandable segments unmap their free pages), so neither term has to fit: what cannot be
+# given back is what is allocated, and the CUDA and NCCL contexts (`Breakdown.held`). No GPU run has
+# measured a step at that limit yet (plan.choose.TIGHT_SHARE keeps a margin).
+ALLOCATOR_SLACK = 0.02
+VOCABULARY_CACHE = 0.755
+# Without expandable segments (other trainers' published runs: bench/planner_accuracy.py), differently
+# sized blocks stay in separate segments: reserved/allocated of 14 single-GPU HF Trainer runs of dense
+# models (fms-acceleration's benchmark references, A100 80GB) has its lower quartile at 1.16.
+DEFAULT_ALLOCATOR_SLACK = 0.16
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
 CUDA_CONTEXT_GIB = 0.5
@@ -61,6 +75,7 @@ class Breakdown:
     peak_phase: str  # "forward/backward" or "optimizer step"
     host_offload: float  # offloaded shards of every rank of one node
     host_loading: float  # checkpoint bytes the node's processes hold in host RAM while loading
+    cached: float = 0.0  # freed vocabulary-sized blocks the allocator keeps at the peak (VOCABULARY_CACHE)
 
     @property
     def allocated(self) -> float:
@@ -69,18 +84,32 @@ class Breakdown:
 
     @property
     def reserved(self) -> float:
-        """Predicted torch.cuda.max_memory_reserved() with expandable segments."""
-        return self.allocated * (1 + ALLOCATOR_SLACK)
+        """Predicted torch.cuda.max_memory_reserved() with expandable segments, on a card with room to spare."""
+        return self.allocated * (1 + ALLOCATOR_SLACK) + self.cached
+
+    @property
+    def reserved_default_allocator(self) -> float:
+        """The same without expandable segments (PyTorch's default allocator)."""
+        return self.allocated * (1 + DEFAULT_ALLOCATOR_SLACK)
 
     def device(self, world_size: int) -> float:
-        """Predicted device memory as nvidia-smi shows it, what the fit check compares with the
-        GPU's memory: reserved + CUDA context (+ NCCL)."""
-        context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)
-        return self.reserved + context * GIB
+        """Predicted device memory as nvidia-smi shows it on a card with room to spare: reserved +
+        CUDA context (+ NCCL)."""
+        return self.reserved + context_bytes(world_size)
+
+    def held(self, world_size: int) -> float:
+        """Device memory that cannot be given back at the peak, what the fit verdict compares with the
+        GPU's memory: allocated + CUDA context (+ NCCL); the allocator's cache goes first."""
+        return self.allocated + context_bytes(world_size)
 
     @property
     def host(self) -> float:
         return max(self.host_offload, self.host_loading)
+
+
+def context_bytes(world_size: int) -> float:
+    """CUDA context, and NCCL's when more than one GPU trains."""
+    return (CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)) * GIB
 
 
 @dataclass(frozen=True)
@@ -553,10 +582,11 @@ def estimate(w: Workload) -> Breakdown:
     scratch = dequant_scratch_bytes(w) + fp8_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
     moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
     activations, transient = max(moments, key=sum)
+    cached = cached_logits_bytes(w) if moments.index((activations, transient)) == 0 else 0.0
     if activations + transient >= step_scratch:
         phase, buffers = "forward/backward", persistent + transient
     else:
-        phase, activations, buffers = "optimizer step", 0.0, persistent + step_scratch
+        phase, activations, buffers, cached = "optimizer step", 0.0, persistent + step_scratch, 0.0
 
     return Breakdown(
         weights=weights,
@@ -567,4 +597,13 @@ def estimate(w: Workload) -> Breakdown:
         peak_phase=phase,
         host_offload=placed.offloaded * w.gpus_per_node,
         host_loading=loading_host_bytes(w),
+        cached=cached,
     )
+
+
+def cached_logits_bytes(w: Workload) -> float:
+    """What the allocator keeps cached beside a peak at the loss: VOCABULARY_CACHE of one fp32 copy of
+    the micro-batch's logits, when the loss holds full-vocabulary logits (not Liger's, not the chunked loss)."""
+    if not LOSS_BYTES_PER_VOCAB[w.loss](w.precision.compute_bytes):
+        return 0.0
+    return VOCABULARY_CACHE * parallel.tokens_per_rank(w) * w.model.vocab_size * 4

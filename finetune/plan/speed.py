@@ -78,10 +78,12 @@ class Calibration:
     overlap_exponent: float  # p in (Hᵖ + Gᵖ)^(1/p): how far the host's and the GPU's clocks overlap
 
     def efficiency(self, gpu: GPUSpec) -> float:
-        """The GPU's fitted matmul efficiency; a GPU never measured takes the geometric mean of the measured
-        GPUs of its chip, or of every measured GPU when its chip is new."""
-        if gpu.name in self.matmul_efficiency:
-            return self.matmul_efficiency[gpu.name]
+        """The GPU's fitted matmul efficiency (a card given by its memory: that of the card it is planned
+        like); a GPU never measured takes the geometric mean of the measured GPUs of its chip, or of every
+        measured GPU when its chip is new."""
+        for name in (gpu.name, gpu.speed_of):
+            if name in self.matmul_efficiency:
+                return self.matmul_efficiency[name]
         peers = [v for name, v in self.matmul_efficiency.items() if gpus.GPUS[name].chip == gpu.chip]
         return geometric_mean(peers or list(self.matmul_efficiency.values()))
 
