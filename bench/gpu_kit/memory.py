@@ -109,7 +109,7 @@ def least_sure_first(rows: list[Row], gpu: str) -> list[Row]:
         w = Workload(model=catalog_model(row.model), gpu=spec, gpus_per_node=1, method=row.method, strategy="single",
                      offload="none", precision=row.precision, optimizer="adamw", micro_batch_size=row.micro_batch_size,
                      seq_len=row.seq_len, gradient_checkpointing=row.gradient_checkpointing)
-        likely = speed_range(w, tuple(CALIBRATION.matmul_efficiency))
+        likely = speed_range(w, CALIBRATION.chips)
         return likely.high / likely.low
 
     return sorted(rows, key=width, reverse=True)

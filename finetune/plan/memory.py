@@ -255,10 +255,22 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
+        if w.attention == "sdpa" and spec.masks_attention(w.seq_len):  # SDPA casts the boolean mask in every layer
+            saved += attn * w.seq_len
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
-    return saved
+    return saved - liger_layer_savings(w, h, inter, residual, out)
+
+
+def liger_layer_savings(w: Workload, h: int, inter: int, residual: int, out: int) -> float:
+    """Bytes per token Liger's fused layer kernels (--liger) save for backward below transformers' own:
+    its RMSNorm keeps the input in the residual stream's dtype and one fp32 scale per token instead of
+    an fp32 copy, and its SwiGLU recomputes the activation from gate and up instead of keeping it."""
+    if w.loss != "liger":
+        return 0.0
+    norms = w.model.norms_per_layer * (h * (4 - residual) - 4) if not w.model.norm_bias else 0
+    return norms + (out * inter if w.model.mlp_gated else 0)
 
 
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
