@@ -255,7 +255,7 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
-        if w.attention == "sdpa" and spec.masks_attention(w.seq_len):  # SDPA casts the boolean mask in every layer
+        if w.attention == "sdpa" and spec.masks_attention(w.seq_len, w.inert_window_kept):  # SDPA casts the boolean mask in every layer
             saved += attn * w.seq_len
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:

@@ -59,6 +59,9 @@ class Workload:
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
     fp8: bool = False  # LoRA's frozen base linears in float8 matmuls (--fp8, train/fp8.py): plan.memory, plan.speed
+    # a sliding window as long as the rows keeps its explicit mask, as transformers builds it (TRL, the
+    # GPU kit's profile); finetune's trainer switches it off (ModelSpec.masks_attention)
+    inert_window_kept: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))

@@ -4,12 +4,14 @@ matter (longer rows, generation, the saved config)."""
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import tiny_model
 
 from finetune.config.options import TrainConfig
+from finetune.models import catalog
 from finetune.train.loading import prepare_for_training
 from finetune.train.sliding_window import inert_window, switch_off_inert_window
 from finetune.train.speedups import apply_speedups
@@ -86,6 +88,8 @@ def test_a_window_shorter_than_the_rows_is_kept(sdpa_masks):
     assert inert_window(model, WINDOW + 1) is None and switch_off_inert_window(model, WINDOW + 1) is None
     assert inert_window(model, WINDOW) == WINDOW
     assert inert_window(tiny_model(), 10**6) is None  # Llama: no window
+    spec = replace(catalog.get("mistral-7b"), sliding_window=WINDOW)  # the planner poses what the trainer does
+    assert all(spec.masks_attention(n) == (inert_window(model, n) is None) for n in (WINDOW - 1, WINDOW, WINDOW + 1))
 
     switched, unwindowed = copy.deepcopy(model), copy.deepcopy(model)
     switch_off_inert_window(switched, WINDOW)
