@@ -25,7 +25,7 @@ from finetune.config.resolve import ResolvedRun
 from finetune.errors import FinetuneError
 from finetune.models import catalog, families, gguf_import
 from finetune.models.source import ModelSource
-from finetune.train import chunked_loss
+from finetune.train import chunked_loss, parallel
 
 
 def materialize(model: ModelSource, seed: int = 0) -> str:
@@ -114,19 +114,24 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
         mark_zero3_leaves(model)
     model = prepare_for_training(model, run.config)
     if run.parallelism.tp > 1:
+        parallel.adapters_read_local_rows(model)
         shard_what_transformers_left(model, run)
     return model
 
 
 def tensor_parallel_layout(run: ResolvedRun):
     """transformers' own layout of a --tp run (train/parallel.py says why it, not Accelerate): the
-    model's TP plan over each group of `tp` consecutive ranks, then FSDP2 over the data-parallel
-    ranks, weights loaded straight into their shards. Under bf16-mixed FSDP2 gathers bf16 copies of
-    the fp32 weights, as Accelerate's FSDP2 mixed precision does."""
+    model's TP plan with finetune's sequence-parallel rules over each group of `tp` consecutive ranks,
+    then FSDP2 over the data-parallel ranks, weights loaded straight into their shards. Under
+    bf16-mixed FSDP2 gathers bf16 copies of the fp32 weights, as Accelerate's FSDP2 mixed precision does."""
     from transformers.distributed import DistributedConfig
 
+    hf_config = AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=run.config.trust_remote_code)
     p = run.parallelism
     return DistributedConfig(tp_size=p.tp, fsdp_size=p.dp_shard, dp_replicate_size=p.dp_replicate,
+                             tp_plan=parallel.sequence_parallel_plan(skeleton),
                              fsdp_mixed_precision=run.precision.name == "bf16-mixed")
 
 
