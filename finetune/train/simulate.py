@@ -14,6 +14,8 @@ are not tracked), and `finetune plan --simulate` then simulates the best plan it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +74,8 @@ def simulate(run: ResolvedRun) -> Simulation:
     reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
     if reason is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
+    if run.parallelism.tp > 1:
+        return _simulate_tensor_parallel(run)
     run = one_rank(run)
     if run.strategy.fsdp:
         return _simulate_fsdp(run)
@@ -91,15 +95,17 @@ def simulate(run: ResolvedRun) -> Simulation:
 
 
 # How a TP or CP rank is simulated, printed beside the comparison.
-ONE_TP_RANK = ("one TP rank, as the slice of the model it holds (1/tp of the heads, KV heads and MLP width), with the LM "
-               "head whole, which TP splits by vocabulary rows: the analytic weights hold 1/tp of it")
+ONE_TP_RANK = ("rank 0 of the whole layout as the trainer builds it (transformers' TP plan with the sequence-parallel "
+               "rules, FSDP2 over the data-parallel ranks) on a fake process group")
 ONE_CP_RANK = "one CP rank, with 1/cp of each row"
 
 
 def one_rank(run: ResolvedRun) -> ResolvedRun:
     """`run` as one rank of its TP/CP group computes it, without the group's collectives: the slice of
     each layer a TP rank holds (plan.parallel.rank_spec), 1/cp of each row, FSDP2 over the ranks that
-    shard that slice, and the loss the run resolves (the model's own under TP: config/switches.py)."""
+    shard that slice, and the loss the run resolves (config/switches.py). What `--dry-run` builds to
+    count a TP rank's model states, and what a CP rank is simulated as (ring attention does not run
+    on CPU)."""
     from dataclasses import replace
 
     from finetune.config.parallelism import Parallelism
@@ -141,6 +147,26 @@ def _frozen_aware(tracker_class):
     return FrozenAwareTracker
 
 
+def _unit_aware(tracker_class):
+    """FSDPMemTracker opens a module's statistics in its forward; an FSDP2 unit whose forward never
+    runs (the LM head, which transformers shards as its own unit under FSDP2 × TP and the chunked loss
+    reads outside its forward) still gathers its weight for backward: open them there."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+
+    class UnitAwareTracker(tracker_class):
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig_pre_backward):
+            tracked = super()._fsdp_param_group_pre_backward(fsdp_mod, orig_pre_backward)
+
+            def pre_backward(*args, **kwargs):
+                if fsdp_mod not in self.memory_tracking:
+                    self.memory_tracking[fsdp_mod] = _FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod))
+                return tracked(*args, **kwargs)
+
+            return pre_backward
+
+    return UnitAwareTracker
+
+
 def _steps(run: ResolvedRun, model, optimizer, tracker) -> None:
     """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision."""
     import torch
@@ -160,17 +186,12 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
     """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
     layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from finetune.train import loading
-    from finetune.train.optim import build_optimizer
 
-    dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
-    try:
+    with _fake_process_group(run.world_size):
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
         model, fake_mode = loading.build_skeleton(run)
         with fake_mode:
@@ -181,15 +202,107 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
             for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
-            # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
-            # copies of the optimizer states (the planner's step scratch accounts for foreach)
-            optimizer = build_optimizer(run.config, model, run.peak_lr)
-            tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
-            with tracker:
-                _steps(run, model, optimizer, tracker)
-            return _result(tracker)
+            return _tracked_steps(run, model)
+
+
+def _simulate_tensor_parallel(run: ResolvedRun) -> Simulation:
+    """TP as load_model lays it out (train/loading.py: transformers' plan with the sequence-parallel
+    rules, its FSDP2 over the data-parallel ranks, LoRA, FSDP2 around what it left), on fake tensors
+    and a fake process group of the run's world size: rank 0's view, collectives included."""
+    with _fake_process_group(run.world_size):
+        model, fake_mode = _tensor_parallel_skeleton(run)
+        with fake_mode:
+            return _tracked_steps(run, model)
+
+
+def _tracked_steps(run: ResolvedRun, model) -> Simulation:
+    """Two micro-steps of an FSDP2-wrapped `model`, tracked by FSDPMemTracker (inside the fake mode)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from finetune.train.optim import build_optimizer
+
+    # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
+    # copies of the optimizer states (the planner's step scratch accounts for foreach)
+    optimizer = build_optimizer(run.config, model, run.peak_lr)
+    tracker = _unit_aware(_frozen_aware(FSDPMemTracker))(model, optimizer)
+    with tracker:
+        _steps(run, model, optimizer, tracker)
+    return _result(tracker)
+
+
+@contextmanager
+def _fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of `world_size` ranks in which this process is rank 0 and no collective
+    moves data (torch's fake backend)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _tensor_parallel_skeleton(run: ResolvedRun):
+    """The model load_model builds for a --tp run, on fake tensors from the start (a DTensor layout
+    cannot be moved onto fake storage afterwards), over CPU meshes of the fake process group.
+    Returns (model, fake_mode)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.models import families
+    from finetune.train import chunked_loss, loading
+
+    hf_config = AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None else \
+        AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
+    layout = loading.tensor_parallel_layout(run, hf_config)
+    meshes = _cpu_meshes(layout)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, _meshes_made_outside():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, run.precision.weights),
+                                                 attn_implementation=families.attention_implementation(hf_config.model_type))
+        model = type(model).maybe_distribute_model(model, layout, meshes)
+        model = loading.prepare_for_training(model, run.config)
+        loading.finish_tensor_parallel(model, run)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if run.switches(chunked_loss.head_problem(base)).chunked_loss:
+            chunked_loss.install(base)
+    return model, fake_mode
+
+
+def _cpu_meshes(layout):
+    """transformers' meshes for `layout` (distributed.utils.initialize_distributed_mesh), on CPU
+    whatever accelerator this machine has: the fake tensors are CPU tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    dense = init_device_mesh("cpu", (1, layout.dp_replicate_size, layout.fsdp_size, layout.tp_size),
+                             mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    experts = init_device_mesh("cpu", (1, layout.dp_replicate_size, layout.efsdp_size, layout.ep_size),
+                               mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return TransformersDeviceMesh(dense, experts)
+
+
+@contextmanager
+def _meshes_made_outside() -> Iterator[None]:
+    """FSDP2 over TP-sharded parameters joins the two meshes into one (DeviceMesh._concatenate), whose
+    rank arithmetic runs on tensors: made under the fake mode it fails (nonzero has no fake shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def outside(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(outside)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 def _result(tracker) -> Simulation:
