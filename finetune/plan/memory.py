@@ -9,7 +9,7 @@ PEFT, bitsandbytes or DeepSpeed allocates; the ones that are fitted say what the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.names import trains_pure_bf16
 from finetune.config.switches import chunk_tokens
@@ -519,3 +519,10 @@ def estimate(w: Workload) -> Breakdown:
         host_offload=placed.offloaded * w.gpus_per_node,
         host_loading=loading_host_bytes(w),
     )
+
+
+def backward_activations(w: Workload) -> float:
+    """Activations per GPU at the peak of forward/backward, also where the optimizer step sets the
+    step's peak (`estimate` then reports none): `w` planned with an optimizer step that allocates
+    nothing, which changes nothing else."""
+    return estimate(replace(w, fused_optimizer=True)).activations

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
 from finetune.plan import gpus as gpu_catalog
-from finetune.plan.memory import GIB, estimate
+from finetune.plan.memory import GIB, backward_activations, estimate
 from finetune.plan.moe import expert_bytes
 from finetune.plan.workload import Workload, from_run
 
@@ -66,6 +66,7 @@ def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: st
 class Simulation:
     peak_bytes: int
     terms: dict[str, int]  # planner term → bytes at the peak
+    activations: int  # saved activations and temporaries at the peak of forward/backward, wherever the step's peak is
 
 
 def simulate(run: ResolvedRun) -> Simulation:
@@ -306,15 +307,28 @@ def _meshes_made_outside() -> Iterator[None]:
 
 
 def _result(tracker) -> Simulation:
-    snapshot = tracker.get_tracker_snapshot("peak")
-    device_stats = max(snapshot.values(), key=lambda stats: stats.get("Total", 0))
+    device_stats = _largest(tracker.get_tracker_snapshot("peak").values())
+    terms = _terms(device_stats)
+    # where the optimizer step sets the peak, the modules' own peaks in their forward and backward
+    moments = [stats for module_stats in tracker.memory_tracking.values() for state, snapshots in module_stats.snapshots.items()
+               if state.name in ("PEAK_FW", "PEAK_BW") for snapshot in snapshots for stats in snapshot.values()]
+    activations = max(terms.get("activations", 0), _terms(_largest(moments)).get("activations", 0))
+    return Simulation(peak_bytes=device_stats["Total"], terms=terms, activations=activations)
+
+
+def _largest(device_stats):
+    return max(device_stats, key=lambda stats: stats.get("Total", 0))
+
+
+def _terms(device_stats: dict) -> dict[str, int]:
+    """MemTracker's bytes by reference type → bytes by planner term."""
     terms: dict[str, int] = {}
     for reftype, size in device_stats.items():
         if reftype == "Total":
             continue
         term = CATEGORIES.get(getattr(reftype, "value", str(reftype)), "buffers")
         terms[term] = terms.get(term, 0) + size
-    return Simulation(peak_bytes=device_stats["Total"], terms=terms)
+    return terms
 
 
 def compare_text(run: ResolvedRun, w: Workload) -> str:
@@ -329,4 +343,7 @@ def compare_text(run: ResolvedRun, w: Workload) -> str:
         lines.append(f"  {term:<12} {simulated.terms.get(term, 0) / GIB:>10.2f} {getattr(analytic, term) / GIB:>10.2f}")
     error = analytic.allocated / simulated.peak_bytes - 1
     lines.append(f"  {'allocated':<12} {simulated.peak_bytes / GIB:>10.2f} {analytic.allocated / GIB:>10.2f}  (analytic {error:+.1%})")
+    lines.append(f"  activations at the forward/backward peak: simulated {simulated.activations / GIB:.2f}, "
+                 f"analytic {backward_activations(w) / GIB:.2f} GiB")
     return "\n".join(lines)
+
