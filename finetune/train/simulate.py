@@ -169,18 +169,25 @@ def _unit_aware(tracker_class):
 
 
 def _steps(run: ResolvedRun, model, optimizer, tracker) -> None:
-    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision."""
+    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision,
+    on rows of whole examples (no padding, no packing)."""
+    from unittest import mock
+
     import torch
 
     spec, batch = run.spec, run.batch
     tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, run.config.max_seq_len))
     autocast = torch.autocast("cpu", dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
-    for _ in range(2):
-        tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
-        with autocast:
-            loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
+    # transformers looks for packed examples in the positions, which fake tensors cannot show it: it would
+    # build a seq × seq mask (2 GiB at 32,768 tokens) and SDPA would repeat the KV heads; rows of one
+    # example each have no packed examples, as transformers finds on real positions
+    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None):
+        for _ in range(2):
+            tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
+            with autocast:
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
 
 def _simulate_fsdp(run: ResolvedRun) -> Simulation:
