@@ -69,19 +69,16 @@ def published_table() -> str:
         request = Request(**fields | {"model": catalog.get(fields["model"]), "gpu": gpus.get(fields["gpu"])})
         (chosen, *_), _ = plan(request)
         w, memory = chosen.workload, chosen.memory
-        rows.append(f"{name:<66} {published:>9.1f} {memory.reserved / GIB:>8.1f} {memory.activations / GIB:>11.1f}  "
-                    f"{w.loss}, {w.recomputed_layers} of {w.model.num_layers}")
+        rows += [f"{name:<66} {published:>9.1f} {memory.reserved / GIB:>8.1f} {memory.activations / GIB:>11.1f}  "
+                 f"{w.loss}, {w.recomputed_layers} of {w.model.num_layers}"]
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--published", action="store_true", help="only the published runs, planned")
-    args = parser.parse_args()
-    print(published_table())
-    if not args.published:
-        print()
-        print(layouts_table())
+    tables = [published_table] if parser.parse_args().published else [published_table, layouts_table]
+    print("\n\n".join(table() for table in tables))
 
 
 if __name__ == "__main__":
