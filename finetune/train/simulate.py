@@ -103,10 +103,10 @@ ONE_CP_RANK = "one CP rank, with 1/cp of each row"
 
 def one_rank(run: ResolvedRun) -> ResolvedRun:
     """`run` as one rank of its TP/CP group computes it, without the group's collectives: the slice of
-    each layer a TP rank holds (plan.parallel.rank_spec), 1/cp of each row, FSDP2 over the ranks that
-    shard that slice, and the loss the run resolves (config/switches.py). What `--dry-run` builds to
-    count a TP rank's model states, and what a CP rank is simulated as (ring attention does not run
-    on CPU)."""
+    each layer a TP rank holds (plan.parallel.rank_spec) and its rows of the vocabulary, 1/cp of each
+    row, FSDP2 over the ranks that shard that slice, and the loss the run resolves
+    (config/switches.py). What `--dry-run` builds to count a TP rank's model states, and what a CP
+    rank is simulated as (ring attention does not run on CPU)."""
     from dataclasses import replace
 
     from finetune.config.parallelism import Parallelism
@@ -118,7 +118,8 @@ def one_rank(run: ResolvedRun) -> ResolvedRun:
     config = replace(run.config, max_seq_len=run.config.max_seq_len // p.cp, tp=1, cp=1,
                      chunked_loss=run.switches().chunked_loss)
     batch = replace(run.batch, world_size=run.world_size // p.tp, model_parallel=1)
-    return replace(run, spec=rank_spec(run.spec, p.tp), config=config, batch=batch, parallelism=Parallelism())
+    spec = replace(rank_spec(run.spec, p.tp), vocab_size=-(-run.spec.vocab_size // p.tp))
+    return replace(run, spec=spec, config=config, batch=batch, parallelism=Parallelism())
 
 
 def _as_on_cuda(optimizer):
