@@ -124,6 +124,21 @@ def fused_adamw(optimizer: str, cuda: bool, strategy: Strategy) -> bool:
     return optimizer == "adamw" and cuda and not strategy.fsdp
 
 
+def fp8_problem(method: str, precision: str, strategy: Strategy, fp8_device: bool, tp: int = 1) -> str | None:
+    """Why `--fp8` (train/fp8.py: the frozen base of LoRA in float8 matmuls) cannot run in such a run,
+    or None. `fp8_device`: the GPU runs NVIDIA's float8 matmuls (compute capability ≥ 8.9)."""
+    if method != "lora":
+        trains = "full fine-tuning trains them" if method == "full" else "QLoRA's base is 4-bit already"
+        return f"--fp8 casts LoRA's frozen 16-bit base weights to float8, and {trains}: use --method lora or drop --fp8"
+    if not fp8_device:
+        return "--fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (L40S, RTX 4090, H100, H200)"
+    if precision != "bf16-true":
+        return f"--fp8 casts LoRA's base from bf16 weights: use --precision bf16-true, not {precision}"
+    if strategy.shards_weights or strategy.deepspeed or tp > 1:  # a float8 copy of each whole weight, cast once
+        return f"--fp8 keeps a float8 copy of every frozen weight whole on each GPU: one GPU or DDP, not {strategy.label}"
+    return None
+
+
 def liger_problem(cuda: bool, model_type: str | None) -> str | None:
     """Why Liger cannot run here for this architecture, or None."""
     if not cuda:

@@ -58,6 +58,7 @@ class Workload:
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
+    fp8: bool = False  # LoRA's frozen base linears in float8 matmuls (--fp8, train/fp8.py): plan.memory, plan.speed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
@@ -139,5 +140,15 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
         # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
         # compilation is off unless asked for
-        loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile),
+        loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile), fp8=config.fp8,
     )
+
+
+# chips with FP8 tensor cores whose float8 formats are not the ones train/fp8.py casts to (e4m3fn, e5m2):
+# MI300X's are the fnuz variants
+OTHER_FP8_FORMATS = ("MI300X",)
+
+
+def runs_fp8(gpu: GPUSpec) -> bool:
+    """`gpu` runs train/fp8.py's float8 matmuls (NVIDIA, compute capability ≥ 8.9)."""
+    return gpu.fp8_tflops > 0 and gpu.chip not in OTHER_FP8_FORMATS
