@@ -218,7 +218,6 @@ def layer_activation_bytes(w: Workload) -> float:
     the normalized stream save the gathered whole rows.
     """
     spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
-    shards = parallel.sequence_shards(w)
     h, e = spec.hidden_size, p.compute_bytes
     q_width = spec.num_heads * spec.resolved_head_dim
     kv_width = spec.num_kv_heads * spec.resolved_head_dim
@@ -232,9 +231,8 @@ def layer_activation_bytes(w: Workload) -> float:
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
-    saved = spec.norms_per_layer * h * norm_input / shards
-    if full:
-        saved += spec.norms_per_layer * h * residual / shards  # normalized input of the trainable norm weight
+    norm_output = residual if full else 0  # the normalized input of the trainable norm weight
+    saved = spec.norms_per_layer * h * (norm_input + norm_output) / parallel.sequence_shards(w)  # a TP rank's shard
 
     names = [linear.name for linear in layer_linears(spec)]
     attention_in = ["q_proj", "k_proj", "v_proj"]
