@@ -9,7 +9,7 @@ PEFT, bitsandbytes or DeepSpeed allocates; the ones that are fitted say what the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.names import trains_pure_bf16
 from finetune.config.switches import chunk_tokens
@@ -213,6 +213,9 @@ def layer_activation_bytes(w: Workload) -> float:
     and its output; SwiGLU saves gate, up and the activation. A bitsandbytes 4-bit linear casts its
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
+    Under TP the norms run on the rank's sequence shard of the residual stream
+    (parallel.sequence_shards) and attention and the MLP on its heads and width; the linears reading
+    the normalized stream save the gathered whole rows.
     """
     spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
     h, e = spec.hidden_size, p.compute_bytes
@@ -228,9 +231,8 @@ def layer_activation_bytes(w: Workload) -> float:
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
-    saved = spec.norms_per_layer * h * norm_input
-    if full:
-        saved += spec.norms_per_layer * h * residual  # normalized input of the trainable norm weight
+    norm_output = residual if full else 0  # the normalized input of the trainable norm weight
+    saved = spec.norms_per_layer * h * (norm_input + norm_output) / parallel.sequence_shards(w)  # a TP rank's shard
 
     names = [linear.name for linear in layer_linears(spec)]
     attention_in = ["q_proj", "k_proj", "v_proj"]
@@ -290,13 +292,14 @@ def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, ad
 
 
 def loss_activation_bytes(w: Workload) -> float:
-    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
-    (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
+    """Bytes per token after the last layer: final norm (on a TP rank's sequence shard), LM head input
+    (whole rows), logits and cross-entropy (LOSS_BYTES_PER_VOCAB per vocabulary entry: the model's own
+    head gathers the whole vocabulary's logits under TP too)."""
     spec, p = w.model, w.precision
-    h, e = spec.hidden_size, p.compute_bytes
-    saved = 4 * h  # final RMSNorm's fp32 input
+    h, e, shards = spec.hidden_size, p.compute_bytes, parallel.sequence_shards(w)
+    saved = 4 * h / shards  # final RMSNorm's fp32 input
     if w.method == "full":
-        saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
+        saved += h * residual_bytes(w) / shards + h * e  # normalized input of the norm weight, LM head input
     # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
     logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
     return saved + LOSS_BYTES_PER_VOCAB[w.loss](logits) * spec.vocab_size
@@ -337,11 +340,12 @@ def chunk_scratch_bytes(w: Workload) -> float:
     if w.loss != "finetune-chunked":
         return 0.0
     spec, e = w.model, w.precision.compute_bytes
-    chunk = min(chunk_tokens(spec.vocab_size), w.tokens_per_micro_batch) * spec.vocab_size
+    vocabulary = parallel.vocabulary_rows(w)  # under TP: the rank's shard of the head
+    chunk = min(chunk_tokens(vocabulary), w.tokens_per_micro_batch) * vocabulary
     logits = chunk * (4 + (e if e < 4 else 0))
     if w.method != "full":
         return logits
-    head = spec.vocab_size * spec.hidden_size
+    head = vocabulary * spec.hidden_size
     return 4 * head + max(logits, head * (e + 4 if e < 4 else 4) + chunk * e)
 
 
@@ -367,7 +371,8 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     tokens = parallel.tokens_per_rank(w)
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
-    kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
+    layer_input = spec.hidden_size * residual_bytes(w) / parallel.sequence_shards(w)  # what a checkpointed layer keeps
+    kept = recomputed * layer_input + (spec.num_layers - recomputed) * layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
     in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
@@ -607,3 +612,10 @@ def cached_logits_bytes(w: Workload) -> float:
     if not LOSS_BYTES_PER_VOCAB[w.loss](w.precision.compute_bytes):
         return 0.0
     return VOCABULARY_CACHE * parallel.tokens_per_rank(w) * w.model.vocab_size * 4
+
+
+def backward_activations(w: Workload) -> float:
+    """Activations per GPU at the peak of forward/backward, also where the optimizer step sets the
+    step's peak (`estimate` then reports none): `w` planned with an optimizer step that allocates
+    nothing, which changes nothing else."""
+    return estimate(replace(w, fused_optimizer=True)).activations
