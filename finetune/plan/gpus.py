@@ -207,6 +207,12 @@ def identify(device_name: str, memory_gib: float) -> GPUSpec | None:
     return GPUS[max(found)[2]] if found else None
 
 
+def at_least(memory_gib: float) -> list[str]:
+    """Catalog GPUs of about `memory_gib` (`same_size`), else those of the smallest catalog size above it."""
+    larger = sorted({g.memory_gib for g in _CATALOG if g.memory_gib > memory_gib})
+    return same_size(memory_gib) or (same_size(larger[0]) if larger else [])
+
+
 def same_size(memory_gib: float) -> list[str]:
     """Catalog GPUs with about `memory_gib` of memory."""
     return [g.name for g in _CATALOG if abs(g.memory_gib - memory_gib) <= SAME_SIZE_GIB]
