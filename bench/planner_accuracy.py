@@ -1,4 +1,5 @@
-"""Planner memory estimates vs published measured peaks, per source.
+"""Planner memory estimates vs published measured peaks, per source; the fit/no-fit verdict on every
+published run whose card is known; the allocator's slack fitted to finetune's own reserved/allocated rows.
 
     python bench/planner_accuracy.py [--calibration-csv PATH] [--held-out-csv PATH]
 
@@ -12,11 +13,19 @@ Two sets of rows, reported apart:
 
 Each measured row becomes a Workload with its source's settings, and is compared with the metric
 the source reports: `allocated` (torch.cuda.max_memory_allocated), `reserved` (allocated plus the
-allocator's slack) or `device` (nvidia-smi: reserved plus CUDA context and NCCL). Rows whose value
-is a sum over GPUs are divided by the GPU count. litgpt's OOM rows check that the planner predicts
-more than the card holds; upper-bound rows (a figure that includes more than the step) that it
-predicts no more than the figure. Estimated rows (DeepSpeed's estimator, LLaMA-Factory's rule of thumb)
-and Qwen's "LoRA (emb)" rows (embedding and head trained in full) are skipped.
+allocator's slack: these trainers ran PyTorch's default allocator, memory.DEFAULT_ALLOCATOR_SLACK) or
+`device` (nvidia-smi: reserved plus CUDA context and NCCL). Rows whose value is a sum over GPUs are
+divided by the GPU count. litgpt's OOM rows check that the planner predicts more than the card holds;
+upper-bound rows (a figure that includes more than the step) that it predicts no more than the figure.
+Estimated rows (DeepSpeed's estimator, LLaMA-Factory's rule of thumb) and Qwen's "LoRA (emb)" rows
+(embedding and head trained in full) are skipped.
+
+Fit/no-fit: every row that names its card (the planner's own GPU parser reads `gpu_model`; a card
+given by its size is `gpus.by_memory`), and `EDGE_RUNS` (published mixture-of-experts and
+context-parallel runs near the card's limit, and two runs reported to the project), get the planner's
+verdict on their card: what cannot be given back (allocated + CUDA context, choose.fits), beside the
+rule it replaced (allocated × 1.16 + context on every byte). A measured or upper-bound row ran, so it
+fits; an OOM row did not.
 """
 
 from __future__ import annotations
@@ -26,19 +35,25 @@ import csv
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import finetune.plan
+from finetune.errors import FinetuneError
 from finetune.models import catalog
 from finetune.models.catalog import ModelSpec
 from finetune.plan import gpus
-from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate
+from finetune.plan.choose import fits, roomy
+from finetune.plan.memory import GIB, context_bytes, estimate
+from finetune.plan.query import find_gpus
 from finetune.plan.workload import Workload
 
 CALIBRATION_DIR = Path(finetune.plan.__file__).parent / "calibration"  # the planner's package data
 CALIBRATION_CSV = CALIBRATION_DIR / "measurements.csv"
 HELD_OUT_CSV = CALIBRATION_DIR / "measurements_extra.csv"
+ALLOCATOR_CSV = CALIBRATION_DIR / "allocator.csv"
+# The fit rule this bench compares with: every allocated byte × 1.16, plus the context, within the card.
+OLD_SLACK = 0.16
 
 
 def _spec(name, layers, hidden, heads, kv, inter, vocab, tied, **shape) -> ModelSpec:
@@ -225,8 +240,8 @@ def predicted_gib(w: Workload, metric: str) -> float:
     if metric == "allocated":
         return memory.allocated / GIB
     if metric == "reserved":
-        return memory.allocated * (1 + ALLOCATOR_SLACK) / GIB
-    return memory.device(w.world_size) / GIB
+        return memory.reserved_default_allocator / GIB
+    return (memory.reserved_default_allocator + context_bytes(w.world_size)) / GIB
 
 
 def cases(path: Path, role: str) -> list[Case]:
@@ -246,6 +261,155 @@ def summary(errors: list[float]) -> str:
     within = sum(e <= 0.25 for e in absolute) / len(absolute)
     return (f"n={len(absolute)}, median {statistics.median(absolute):.1%}, p90 {p90:.1%}, "
             f"within 25 %: {within:.0%}, max {absolute[-1]:.1%}")
+
+
+# --------------------------------------------------------------------------- fit/no-fit verdicts
+
+def edge_workload(model: str, gpu: str, count: int, **fields) -> Workload:
+    settings = dict(offload="none", optimizer="adamw", micro_batch_size=1, gradient_checkpointing=True,
+                    gradient_accumulation_steps=2)
+    return Workload(model=catalog.get(model), gpu=gpus.get(gpu), gpus_per_node=count, **{**settings, **fields})
+
+
+# Published runs near their card's limit that the planner can pose, and two runs reported to the project.
+# prime-rl (PrimeIntellect-ai/prime-rl benchmarks/results/BENCHMARKS.md, 2026-01; reserved memory, mean of
+# steps 2-4): FSDP2 with fp32 master weights (bf16-mixed), full recompute, a fused LM head for its RL loss
+# (no logits: "liger"), the SFT loss on full logits; its allocator setting is not stated. torchtitan
+# (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2; max reserved): FSDP2 (+ CP),
+# bf16 compute over fp32 weights, full recompute, cross-entropy on full logits, expandable segments (its
+# run script sets them); its Float8 linears are planned as bf16. (id, what, workload, measured reserved
+# GiB or None, whether it ran)
+EDGE_RUNS = (
+    ("M13", "prime-rl Qwen3-30B-A3B LoRA r16 incl. experts, 8×H100, 16k",
+     edge_workload("qwen3-30b-a3b", "H100", 8, method="lora", strategy="fsdp", precision="bf16-mixed", seq_len=16384,
+                   lora_targets="all-linear+experts", loss="liger"), 31.6, True),
+    ("M15", "prime-rl Qwen3-30B-A3B full SFT, 8×H200, 16k",
+     edge_workload("qwen3-30b-a3b", "H200", 8, method="full", strategy="fsdp", precision="bf16-mixed", seq_len=16384,
+                   loss="transformers"), 106.4, True),
+    ("M15-RL", "prime-rl Qwen3-30B-A3B full RL (fused LM head), 8×H100, 16k (M15's notes)",
+     edge_workload("qwen3-30b-a3b", "H100", 8, method="full", strategy="fsdp", precision="bf16-mixed", seq_len=16384,
+                   loss="liger"), 74.6, True),
+    ("M26", "torchtitan Llama-3.1-8B full, FSDP 8, 8×H100 96GB, 32k",
+     edge_workload("llama-3.1-8b", "96GB", 8, method="full", strategy="fsdp", precision="bf16-mixed", seq_len=32768,
+                   loss="transformers"), 83.9, True),
+    ("M27", "torchtitan Llama-3.1-8B full, FSDP 4 × CP 2, 8×H100 96GB, 64k",
+     edge_workload("llama-3.1-8b", "96GB", 8, method="full", strategy="fsdp", precision="bf16-mixed", seq_len=65536,
+                   cp=2, loss="transformers"), 84.2, True),
+    # a notebook's gpt-oss-20b QLoRA on a 16 GB T4 (it ran; the × 1.16 rule said 17.0 GiB): fp16, its
+    # defaults (LoRA r8 on the linears, 1,024 tokens, micro batch 1, checkpointing), the loss in chunks
+    ("T4-OSS", "gpt-oss-20b QLoRA r8, 1×T4, 1k (a notebook's defaults)",
+     edge_workload("gpt-oss-20b", "T4", 1, method="qlora", strategy="single", precision="fp16-true", seq_len=1024,
+                   lora_r=8, loss="finetune-chunked"), None, True),
+)
+
+
+def card_of(row: dict) -> gpus.GPUSpec | None:
+    """The card a published row ran on, read by the planner's own GPU parser; None when unstated."""
+    try:
+        found = find_gpus(row["gpu_model"])
+    except FinetuneError:
+        return None
+    return gpus.get(found[0]) if found else None
+
+
+def old_fits(w: Workload) -> bool:
+    memory = estimate(w)
+    return memory.allocated * (1 + OLD_SLACK) + context_bytes(w.world_size) <= w.gpu.memory_gib * GIB
+
+
+def verdicts(all_cases: list[Case]) -> list[tuple[str, str, Workload, bool]]:
+    """(id, what, workload on its card, whether it ran) of every posable run."""
+    posed = []
+    for c in all_cases:
+        card = card_of(c.row)
+        if card is not None:
+            w = c.workload
+            what = f"{w.model.name} {w.method} {w.strategy.name} × {w.world_size}, {w.micro_batch_size} × {w.seq_len}"
+            posed.append((c.row["id"], what, replace(w, gpu=card), c.row["value_type"] != "oom_lower_bound"))
+    return posed + [(run_id, what, w, ran) for run_id, what, w, _, ran in EDGE_RUNS]
+
+
+def print_verdicts(posed: list[tuple[str, str, Workload, bool]]) -> None:
+    print("| id | run | card | ran | held GiB (allocated + context) | × 1.16 rule | verdict before | verdict now |")
+    print("|---|---|---|---|---|---|---|---|")
+    before = now = tight = 0
+    for run_id, what, w, ran in posed:
+        memory, was, verdict = estimate(w), old_fits(w), fits(w)
+        before, now = before + (was == ran), now + (verdict == ran)
+        close = verdict and not roomy(w, memory)
+        tight += close
+        if was != ran or verdict != ran or close or run_id in {r[0] for r in EDGE_RUNS}:
+            old = (memory.allocated * (1 + OLD_SLACK) + context_bytes(w.world_size)) / GIB
+            margin = w.gpu.memory_gib - memory.held(w.world_size) / GIB
+            now_text = _mark(verdict, ran).replace("fits", f"fits, tight ({margin:.1f} GiB)") if close else _mark(verdict, ran)
+            print(f"| {run_id} | {what} | {w.gpu.name} ({w.gpu.memory_gib:g} GiB) | {'yes' if ran else 'OOM'} "
+                  f"| {memory.held(w.world_size) / GIB:.1f} | {old:.1f} | {_mark(was, ran)} | {now_text} |")
+    n = len(posed)
+    print(f"\n(rows whose verdicts agree and are not tight are left out; the edge runs are all shown)\n"
+          f"- fit/no-fit agreement on {n} posable runs: before {before}/{n} ({before / n:.0%}), now {now}/{n} "
+          f"({now / n:.0%}), {tight} of them \"fits, tight\"")
+
+
+def _mark(fits_card: bool, ran: bool) -> str:
+    return ("fits" if fits_card else "does not fit") + (" ✓" if fits_card == ran else " ✗")
+
+
+def print_edge_memory() -> None:
+    """The edge runs' reserved memory, planned with expandable segments (memory.Breakdown.reserved)."""
+    print("\n| id | run | measured reserved GiB | planned reserved GiB | error |\n|---|---|---|---|---|")
+    for run_id, what, w, measured, _ in EDGE_RUNS:
+        if measured is not None:
+            planned = estimate(w).reserved / GIB
+            print(f"| {run_id} | {what} | {measured:.1f} | {planned:.1f} | {planned / measured - 1:+.1%} |")
+
+
+# --------------------------------------------------------------------------- the allocator's slack
+
+def allocator_rows(path: Path = ALLOCATOR_CSV) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+def logits_gib(row: dict) -> float:
+    """One fp32 copy of the row's logits (micro batch × sequence × vocabulary)."""
+    vocab = catalog.get(row["model"]).vocab_size
+    return int(row["micro_batch_size"]) * int(row["seq_len"]) * vocab * 4 / GIB
+
+
+def slack_fit(rows: list[dict]) -> tuple[float, float]:
+    """(memory.ALLOCATOR_SLACK, memory.VOCABULARY_CACHE) from the expandable-segments rows: the largest
+    reserved/allocated − 1 of the rows whose loss holds no full-vocabulary logits, then the largest
+    share of one fp32 copy of the logits that a full-logits row reserved beyond that."""
+    expandable = [r for r in rows if r["allocator"] == "expandable_segments"]
+    ratio = [float(r["reserved_gib"]) / float(r["allocated_gib"]) for r in expandable if r["loss"] != "transformers"]
+    slack = round(max(ratio) - 1, 3)
+    cache = max((float(r["reserved_gib"]) - float(r["allocated_gib"]) * (1 + slack)) / logits_gib(r)
+                for r in expandable if r["loss"] == "transformers")
+    return slack, round(cache, 3)
+
+
+def allocator_workload(row: dict) -> Workload:
+    layers = row["gradient_checkpointing_layers"]
+    return Workload(model=catalog.get(row["model"]), gpu=gpus.get(row["device"]), gpus_per_node=1, method=row["method"],
+                    strategy="single", offload="none", precision=row["precision"], optimizer="adamw",
+                    micro_batch_size=int(row["micro_batch_size"]), seq_len=int(row["seq_len"]),
+                    gradient_checkpointing=layers != "none", checkpointed_layers=None if layers in ("all", "none") else int(layers),
+                    loss=row["loss"], fused_optimizer=row["fused_adamw"] == "true",
+                    inert_window_kept=row["inert_window"] == "kept")
+
+
+def print_reserved(rows: list[dict]) -> None:
+    """finetune's own runs (and TRL's beside them): measured reserved vs planned, before and now."""
+    print("\n| run | allocator | loss | allocated | reserved | planned now | × 1.16 before |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        memory = estimate(allocator_workload(r))
+        now = memory.reserved if r["allocator"] == "expandable_segments" else memory.reserved_default_allocator
+        measured = float(r["reserved_gib"])
+        print(f"| {r['model']} {r['method']} {r['seq_len']} × {r['micro_batch_size']} ({r['program']}, ckpt "
+              f"{r['gradient_checkpointing_layers']}) | {r['allocator']} | {r['loss']} | {float(r['allocated_gib']):.2f} "
+              f"| {measured:.2f} | {now / GIB:.2f} ({now / GIB / measured - 1:+.1%}) "
+              f"| {memory.allocated * (1 + OLD_SLACK) / GIB:.2f} ({memory.allocated * (1 + OLD_SLACK) / GIB / measured - 1:+.1%}) |")
+    slack, cache = slack_fit(rows)
+    print(f"- slack fit: ALLOCATOR_SLACK {slack}, VOCABULARY_CACHE {cache} (memory.py holds what this prints)")
 
 
 def main() -> None:
@@ -283,6 +447,10 @@ def main() -> None:
         verdict = "within ✓" if c.predicted_gib <= c.measured_gib else "above ✗"
         print(f"- upper bound {c.row['id']} ({c.role}, {c.workload.model.name} {c.workload.method}): planner {c.predicted_gib:.2f} GiB "
               f"vs at most {c.measured_gib:.2f} GiB {c.metric} → {verdict}")
+    print()
+    print_verdicts(verdicts(all_cases))
+    print_edge_memory()
+    print_reserved(allocator_rows())
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 A user reads finetune's own messages. The libraries underneath log things meant for their own
 developers on every run: DeepSpeed's "Setting accelerator to CPU" (Accelerate imports DeepSpeed
-whenever it is installed, to unwrap models), bitsandbytes' optional CPU kernels, transformers'
-deprecations, Hugging Face Hub retries, datasets' progress bars, Accelerate's save warnings. Errors
-still pass. No library is imported here.
+whenever it is installed, to unwrap models), bitsandbytes' optional CPU kernels, liger-kernel's
+optional backends it cannot import (CuTe DSL, Ascend), transformers' deprecations, PEFT's note on
+finetune's own `exclude_modules`, Hugging Face Hub retries, datasets' progress bars, Accelerate's
+save warnings. Errors still pass. No library is imported here.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ import warnings
 LEVEL_VARIABLES = {"TRANSFORMERS_VERBOSITY": "transformers", "DATASETS_VERBOSITY": "datasets",
                    "HF_HUB_VERBOSITY": "huggingface_hub"}
 # loggers that configure nothing themselves: their module loggers inherit this level (bitsandbytes'
-# optional kernels; Accelerate's "[RANK 0] Removed shared tensor ... while saving")
-PARENT_LOGGERS = ("bitsandbytes", "accelerate")
+# optional kernels; Accelerate's "[RANK 0] Removed shared tensor ... while saving"; liger-kernel 0.8's
+# "Backend impl '…' could not be imported" for each optional backend of each op, on the first call)
+PARENT_LOGGERS = ("bitsandbytes", "accelerate", "liger_kernel")
+# PEFT warns on every LoRA build whose `exclude_modules` matched nothing; finetune always passes one
+# (vision towers, 4-bit experts' parametrizations), so for a text model it never matches
+PEFT_UNUSED_EXCLUDE = r"You have passed exclude_modules=.* but no modules were excluded"
 # datasets' progress bars of its own steps ("Generating train split", "Saving the dataset"); read
 # when datasets is imported, and then it wins over datasets' own switch
 PROGRESS_BARS_VARIABLE = "HF_DATASETS_DISABLE_PROGRESS_BARS"
@@ -80,3 +85,4 @@ def quiet_libraries() -> None:
     _DEEPSPEED.quiet = True
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=PEFT_UNUSED_EXCLUDE, category=UserWarning)

@@ -45,6 +45,35 @@ def test_quiet_libraries_keeps_errors_and_drops_the_rest():
     assert "bnb error" in output and "ds error" in output
 
 
+# what liger-kernel 0.8.5 logs, from `liger_kernel.backends.registry`'s module logger, for each optional
+# backend (CuTe DSL, Ascend, ...) it cannot import, the first time an op is used
+LIGER_LINE = ("logging.getLogger('liger_kernel.backends.registry').warning(\"Backend impl "
+              "'liger_kernel.ops.backends._cutedsl.rms_norm' for op 'rms_norm' could not be imported: noise\")\n")
+# the real thing where liger-kernel is installed (the gpu extra): its registry looks for every backend of an op
+LIGER_DISCOVERY = ("import importlib.util\n"
+                   "if importlib.util.find_spec('liger_kernel'):\n"
+                   "    from liger_kernel.backends import registry; registry._discover('rms_norm')\n")
+# PEFT's UserWarning about finetune's own exclude_modules, from the trainer's own LoRA build
+LORA_BUILD = ("from helpers import tiny_model\n"
+              "from peft import get_peft_model\n"
+              "from finetune.config.options import TrainConfig\n"
+              "from finetune.train.loading import lora_config\n"
+              "base = tiny_model()\n"
+              "get_peft_model(base, lora_config(base, TrainConfig(method='lora')))\n")
+
+
+def test_peft_and_liger_warnings_of_every_lora_gpu_run_are_quiet_unless_verbose():
+    """PEFT warns that finetune's `exclude_modules` matched nothing on every LoRA build of a text
+    model, and liger-kernel logs a line for each optional backend it cannot import: neither reaches
+    a default run's output; both are there without quiet_libraries (as with --verbose)."""
+    setup = f"import logging, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+    loud = python(setup + LIGER_LINE + LIGER_DISCOVERY + LORA_BUILD)
+    assert "exclude_modules" in loud and "could not be imported" in loud  # the noise is real
+    quiet = python(setup + "from finetune.library_logs import quiet_libraries\nquiet_libraries()\n"
+                   + LIGER_LINE + LIGER_DISCOVERY + LORA_BUILD)
+    assert "exclude_modules" not in quiet and "could not be imported" not in quiet, quiet
+
+
 @pytest.mark.slow  # two short training runs in subprocesses
 def test_a_plain_run_shows_finetunes_messages_only(tmp_path):
     rows = "".join(json.dumps({"instruction": "Add.", "input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(16))

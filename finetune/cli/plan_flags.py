@@ -65,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "is installed here and imports, not under ZeRO-3 or with LoRA on lm_head)")
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,
                         help="plan the loss through the LM head in chunks (no full-vocabulary logits); default: as "
-                        "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
+                        "the trainer decides it (on for LoRA/QLoRA and under --tp, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
+    parser.add_argument("--fp8", action="store_true", default=None,
+                        help="plan LoRA with its frozen base's matmuls in float8 (twice the bf16 rate on GPUs with FP8 "
+                        "tensor cores; a float8 copy of each base weight); LoRA on one GPU or DDP only; default off")
     parser.add_argument("--tp", type=int, help="tensor parallel size: GPUs of a node that split every linear layer "
                         "(default: searched; 1: none)")
     parser.add_argument("--cp", type=int, help="context parallel size: GPUs that split every row's tokens (default: "
@@ -140,7 +143,7 @@ def split_into_nodes(request_fields: dict) -> None:
     """More GPUs than one host holds, with no --nodes: plan them as nodes of the GPU's usual host
     (and say so), not as one impossible node with all their host RAM."""
     gpu, count = request_fields["gpu"], request_fields["gpus_per_node"]
-    usual = gpu_catalog.usual_gpus_per_node(gpu.name)
+    usual = gpu_catalog.usual_gpus_per_node(gpu.speed_of or gpu.name)
     if request_fields.get("nodes") is not None or count <= usual:
         return
     per_node = max(n for n in range(1, usual + 1) if count % n == 0)  # whole nodes, as full as a host allows

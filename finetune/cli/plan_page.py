@@ -27,7 +27,8 @@ PAGE_FLAGS = {
     "model": "--model", "nodes": "--nodes", "method": "--method", "strategy": "--strategy", "offload": "--offload",
     "precision": "--precision", "optimizer": "--optimizer", "lora_r": "--lora-r", "lora_targets": "--lora-targets",
     "micro_batch_size": "--micro-batch-size", "gradient_accumulation_steps": "--gradient-accumulation-steps",
-    "seq_len": "--seq-len", "tokens": "--tokens", "host_memory": "--host-memory", "objective": "--objective",
+    "seq_len": "--seq-len", "tokens": "--tokens", "host_memory": "--host-memory", "tp": "--tp", "cp": "--cp",
+    "objective": "--objective",
 }
 # q: the free-text query; gpu × count: --gpus; config: a pasted config.json; gradient_checkpointing: on/off
 PAGE_FIELDS = {"q", "gpu", "count", "config", "gradient_checkpointing", *PAGE_FLAGS}

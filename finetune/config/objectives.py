@@ -112,6 +112,15 @@ def reference_kind(objective: str, precompute: bool | None, method: str) -> str 
     return "frozen copy" if method == "full" else "adapters off"
 
 
+def layout_problems(objective: str, model_parallel: int) -> list[str]:
+    """A preference objective's sequence log-probabilities need whole rows and the whole vocabulary on a
+    rank: no tensor or context parallelism (`model_parallel`: the GPUs of one TP or CP group)."""
+    if OBJECTIVES[objective].preference and model_parallel > 1:
+        return [f"--objective {objective} runs without tensor or context parallelism (a rank's slice of the "
+                "vocabulary or of the rows holds no whole sequence log-probability); use FSDP2 or ZeRO-3 alone"]
+    return []
+
+
 def beta_of(objective: str, beta: float | None) -> float | None:
     """--beta, else the objective's default."""
     return beta if beta is not None else OBJECTIVES[objective].default_beta

@@ -18,10 +18,10 @@ import yaml
 
 from finetune.config import deepspeed_json
 from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, check_precision, default_precision, zero_strategy
-from finetune.config.objectives import OBJECTIVES
+from finetune.config.objectives import layout_problems
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
-from finetune.config.switches import Switches, resolve_switches
+from finetune.config.switches import Switches, fp8_problem, resolve_switches
 from finetune.errors import ConfigError
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
@@ -146,6 +146,7 @@ class Device:
     cuda: bool = False
     name: str | None = None  # e.g. "NVIDIA A100-SXM4-40GB"
     bf16: bool = False
+    fp8: bool = False  # runs NVIDIA's float8 matmuls (compute capability ≥ 8.9): --fp8
     free_bytes: int | None = None
     total_bytes: int | None = None
 
@@ -247,14 +248,14 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     else:
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy, offload)
-    check_attention(config.attention, device)
+    check_speed_switches(config, precision, strategy, device, parallelism.tp)
     spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
     problems = parallelism_problems(parallelism, spec=spec, method=config.method, lora_targets=config.lora_target_modules,
                                     deepspeed=strategy.deepspeed, offload=offload, cuda=device.cuda,
-                                    max_seq_len=config.max_seq_len,
-                                    packing=config.packing, attention=config.attention) + layout_problems(config, parallelism)
+                                    max_seq_len=config.max_seq_len, packing=config.packing,
+                                    attention=config.attention) + layout_problems(config.objective, parallelism.model_parallel)
     if problems:
         raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
     return ResolvedRun(config=config, model=model, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
@@ -262,12 +263,12 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
                        given=given, cuda=device.cuda)
 
 
-def layout_problems(config: TrainConfig, parallelism: Parallelism) -> list[str]:
-    """A preference objective's sequence log-probabilities need whole rows and the whole vocabulary on a rank."""
-    if OBJECTIVES[config.objective].preference and parallelism.model_parallel > 1:
-        return [f"--objective {config.objective} runs without tensor or context parallelism (a rank's slice of the "
-                "vocabulary or of the rows holds no whole sequence log-probability); use FSDP2 or ZeRO-3 alone"]
-    return []
+def check_speed_switches(config: TrainConfig, precision: Precision, strategy: Strategy, device: Device, tp: int) -> None:
+    """The switches a run cannot turn on here are refused before anything loads: flex attention on CPU,
+    --fp8 where config.switches.fp8_problem says why."""
+    check_attention(config.attention, device)
+    if config.fp8 and (why := fp8_problem(config.method, precision.name, strategy, device.fp8, tp)):
+        raise ConfigError(why)
 
 
 def check_attention(attention: str, device: Device) -> None:

@@ -63,6 +63,9 @@ class ModelSpec:
     v_head_dim: int = 0
     tower_params: int = 0  # parameters outside the language model: Gemma 3's vision tower and projector
     quantized: str | None = None  # the published weights' quantization ("mxfp4": gpt-oss), loaded dequantized
+    # Every layer attends only to this many earlier tokens (Mistral-7B v0.1): transformers then hands SDPA
+    # an explicit mask once a row is that long, which rules out the flash kernel (plan/speed.py)
+    sliding_window: int | None = None
 
     @property
     def moe(self) -> bool:
@@ -86,6 +89,16 @@ class ModelSpec:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def masks_attention(self, seq_len: int, inert_window_kept: bool = False) -> bool:
+        """Whether SDPA gets an explicit mask for rows of `seq_len` tokens because of a sliding window:
+        one shorter than the row. A window as long as the row masks nothing (query i sees key j when
+        i − j < window), but transformers' masking_utils still build its mask (they skip it only for
+        shorter rows); the trainer switches such a window off (train/sliding_window.py), a run that
+        kept it (`inert_window_kept`: transformers alone, TRL) has its mask."""
+        if self.sliding_window is None:
+            return False
+        return seq_len >= self.sliding_window if inert_window_kept else seq_len > self.sliding_window
 
     def to_hf_config_dict(self) -> dict:
         """The config.json fields transformers needs to build this architecture (Gemma 3: the
@@ -180,7 +193,7 @@ _CATALOG: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="mistral-7b", hf_id="mistralai/Mistral-7B-v0.1", model_type="mistral", num_layers=32,
         hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000,
-        tie_word_embeddings=False, max_position_embeddings=32768,
+        tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=4096,
         source="mistralai/Mistral-7B-v0.1/config.json",
     ),
     ModelSpec(

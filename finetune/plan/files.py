@@ -147,7 +147,8 @@ def checkpointing_flags(w: Workload) -> list[str]:
 def speed_flags(w: Workload) -> list[str]:
     """The speed switches the plan counted on (each changes its memory or speed terms), where the
     trainer left to itself would decide otherwise (config.switches, on a GPU with this machine's
-    packages): --liger, or --no-liger and the chunked loss pinned as planned."""
+    packages): --liger, or --no-liger and the chunked loss pinned as planned; --compile and --fp8, off
+    unless given."""
     def loss(liger: bool | None, chunked: bool | None = None) -> str:
         return resolve_switches(liger=liger, chunked_loss=chunked, optimizer=w.optimizer, method=w.method,
                                 lora_targets=w.lora_targets, cuda=True, strategy=w.strategy,
@@ -161,7 +162,7 @@ def speed_flags(w: Workload) -> list[str]:
         default = loss(False)
     if w.loss != "liger" and w.loss != default:
         flags.append("--chunked-loss" if w.loss == "finetune-chunked" else "--no-chunked-loss")
-    return flags + ["--compile"] * w.compile
+    return flags + ["--compile"] * w.compile + ["--fp8"] * w.fp8
 
 
 def launch_command(plan: Plan, config_dir: str = DEFAULT_CONFIG_DIR, flags: list[str] | None = None) -> str:

@@ -9,23 +9,47 @@ PEFT, bitsandbytes or DeepSpeed allocates; the ones that are fitted say what the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.names import trains_pure_bf16
 from finetune.config.switches import chunk_tokens
 from finetune.plan import moe, parallel
-from finetune.plan.params import NF4_BYTES, NF4_DOUBLE_QUANT_BYTES, count_params, layer_linears, lora_params, resolve_lora_targets
+from finetune.plan.params import (
+    NF4_BYTES,
+    NF4_DOUBLE_QUANT_BYTES,
+    Linear,
+    adapted,
+    count_params,
+    layer_kinds,
+    layer_linears,
+    lora_params,
+    resolve_lora_targets,
+)
 from finetune.plan.workload import Workload
 
 GIB = 2**30
 
-# PyTorch's caching allocator reserves more than it hands out (block rounding, fragmentation
-# between differently sized activations); what runs out is the reserved memory. finetune runs with
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (cli/__init__.py), which keeps the gap small: one H100,
-# a 7B QLoRA with a 152k vocabulary reserved 14.4 GiB for 12.4 allocated (27.4 with the default
-# allocator); the default-allocator rows of the same GPU kit ran 1.02–1.08×. The slack is the
-# largest measured ratio − 1 with expandable segments (plan/calibration/measured/*.csv, bench/speed_fit.py).
-ALLOCATOR_SLACK = 0.16
+# PyTorch's caching allocator reserves more than it hands out: freed blocks stay cached for the next
+# tensor that fits them. finetune runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# (cli/__init__.py), which grows one segment per stream instead of keeping differently sized ones, so
+# the gap is small, and grows with the vocabulary-sized blocks the loss frees just before a peak at the
+# loss. Fitted by bench/planner_accuracy.py (`slack_fit`) to plan/calibration/allocator.csv:
+# - ALLOCATOR_SLACK, the largest reserved/allocated − 1 of the rows whose loss holds no full-vocabulary
+#   logits: Mistral-7B LoRA at 4096 × 2 on one H200 (finetune and TRL, chunked loss or Liger, every layer
+#   or 1 of 32 checkpointed: differently sized activations), 1.016–1.020×;
+# - VOCABULARY_CACHE, what a row whose peak is at the loss reserved beyond that, per byte of one fp32 copy
+#   of its logits: Qwen2.5-7B QLoRA, 152k vocabulary, 2048 × 2 on one H100, 12.4 GiB allocated, 14.4
+#   reserved (27.4 with the default allocator). One row: the first coefficient to refit.
+# When the card is nearly full, the allocator frees its cached blocks and retries before it reports out
+# of memory (expandable segments unmap their free pages), so neither term has to fit: what cannot be
+# given back is what is allocated, and the CUDA and NCCL contexts (`Breakdown.held`). No GPU run has
+# measured a step at that limit yet (plan.choose.TIGHT_SHARE keeps a margin).
+ALLOCATOR_SLACK = 0.02
+VOCABULARY_CACHE = 0.755
+# Without expandable segments (other trainers' published runs: bench/planner_accuracy.py), differently
+# sized blocks stay in separate segments: reserved/allocated of 14 single-GPU HF Trainer runs of dense
+# models (fms-acceleration's benchmark references, A100 80GB) has its lower quartile at 1.16.
+DEFAULT_ALLOCATOR_SLACK = 0.16
 # CUDA context, cuBLAS workspace and kernels as nvidia-smi shows them before any tensor (torch 2.x
 # with lazy module loading: 0.4–0.6 GiB on A100/H100).
 CUDA_CONTEXT_GIB = 0.5
@@ -51,6 +75,7 @@ class Breakdown:
     peak_phase: str  # "forward/backward" or "optimizer step"
     host_offload: float  # offloaded shards of every rank of one node
     host_loading: float  # checkpoint bytes the node's processes hold in host RAM while loading
+    cached: float = 0.0  # freed vocabulary-sized blocks the allocator keeps at the peak (VOCABULARY_CACHE)
 
     @property
     def allocated(self) -> float:
@@ -59,18 +84,32 @@ class Breakdown:
 
     @property
     def reserved(self) -> float:
-        """Predicted torch.cuda.max_memory_reserved() with expandable segments."""
-        return self.allocated * (1 + ALLOCATOR_SLACK)
+        """Predicted torch.cuda.max_memory_reserved() with expandable segments, on a card with room to spare."""
+        return self.allocated * (1 + ALLOCATOR_SLACK) + self.cached
+
+    @property
+    def reserved_default_allocator(self) -> float:
+        """The same without expandable segments (PyTorch's default allocator)."""
+        return self.allocated * (1 + DEFAULT_ALLOCATOR_SLACK)
 
     def device(self, world_size: int) -> float:
-        """Predicted device memory as nvidia-smi shows it, what the fit check compares with the
-        GPU's memory: reserved + CUDA context (+ NCCL)."""
-        context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)
-        return self.reserved + context * GIB
+        """Predicted device memory as nvidia-smi shows it on a card with room to spare: reserved +
+        CUDA context (+ NCCL)."""
+        return self.reserved + context_bytes(world_size)
+
+    def held(self, world_size: int) -> float:
+        """Device memory that cannot be given back at the peak, what the fit verdict compares with the
+        GPU's memory: allocated + CUDA context (+ NCCL); the allocator's cache goes first."""
+        return self.allocated + context_bytes(world_size)
 
     @property
     def host(self) -> float:
         return max(self.host_offload, self.host_loading)
+
+
+def context_bytes(world_size: int) -> float:
+    """CUDA context, and NCCL's when more than one GPU trains."""
+    return (CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)) * GIB
 
 
 @dataclass(frozen=True)
@@ -114,7 +153,7 @@ def model_states(w: Workload) -> ModelStates:
     if w.method == "full":
         frozen, constants = counts.tower * base_bytes, 0.0
     elif w.method == "lora":
-        frozen, constants = counts.total * base_bytes, 0.0
+        frozen, constants = counts.total * base_bytes + fp8_params(w) * FP8_BYTES, 0.0
     else:
         nf4 = NF4_DOUBLE_QUANT_BYTES if w.double_quant else NF4_BYTES
         frozen = counts.quantizable * 0.5 + (counts.total - counts.quantizable) * unquantized_bytes(w)
@@ -177,6 +216,9 @@ def layer_activation_bytes(w: Workload) -> float:
     and its output; SwiGLU saves gate, up and the activation. A bitsandbytes 4-bit linear casts its
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
+    Under TP the norms run on the rank's sequence shard of the residual stream
+    (parallel.sequence_shards) and attention and the MLP on its heads and width; the linears reading
+    the normalized stream save the gathered whole rows.
     """
     spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
     h, e = spec.hidden_size, p.compute_bytes
@@ -192,9 +234,8 @@ def layer_activation_bytes(w: Workload) -> float:
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
-    saved = spec.norms_per_layer * h * norm_input
-    if full:
-        saved += spec.norms_per_layer * h * residual  # normalized input of the trainable norm weight
+    norm_output = residual if full else 0  # the normalized input of the trainable norm weight
+    saved = spec.norms_per_layer * h * (norm_input + norm_output) / parallel.sequence_shards(w)  # a TP rank's shard
 
     names = [linear.name for linear in layer_linears(spec)]
     attention_in = ["q_proj", "k_proj", "v_proj"]
@@ -219,10 +260,22 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
+        if w.attention == "sdpa" and spec.masks_attention(w.seq_len, w.inert_window_kept):  # SDPA casts the boolean mask in every layer
+            saved += attn * w.seq_len
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
-    return saved
+    return saved - liger_layer_savings(w, h, inter, residual, out)
+
+
+def liger_layer_savings(w: Workload, h: int, inter: int, residual: int, out: int) -> float:
+    """Bytes per token Liger's fused layer kernels (--liger) save for backward below transformers' own:
+    its RMSNorm keeps the input in the residual stream's dtype and one fp32 scale per token instead of
+    an fp32 copy, and its SwiGLU recomputes the activation from gate and up instead of keeping it."""
+    if w.loss != "liger":
+        return 0.0
+    norms = w.model.norms_per_layer * (h * (4 - residual) - 4) if not w.model.norm_bias else 0
+    return norms + (out * inter if w.model.mlp_gated else 0)
 
 
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
@@ -242,13 +295,14 @@ def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, ad
 
 
 def loss_activation_bytes(w: Workload) -> float:
-    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
-    (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
+    """Bytes per token after the last layer: final norm (on a TP rank's sequence shard), LM head input
+    (whole rows), logits and cross-entropy (LOSS_BYTES_PER_VOCAB per vocabulary entry: the model's own
+    head gathers the whole vocabulary's logits under TP too)."""
     spec, p = w.model, w.precision
-    h, e = spec.hidden_size, p.compute_bytes
-    saved = 4 * h  # final RMSNorm's fp32 input
+    h, e, shards = spec.hidden_size, p.compute_bytes, parallel.sequence_shards(w)
+    saved = 4 * h / shards  # final RMSNorm's fp32 input
     if w.method == "full":
-        saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
+        saved += h * residual_bytes(w) / shards + h * e  # normalized input of the norm weight, LM head input
     # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
     logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
     return saved + LOSS_BYTES_PER_VOCAB[w.loss_form](logits) * spec.vocab_size
@@ -289,11 +343,12 @@ def chunk_scratch_bytes(w: Workload) -> float:
     if w.loss_form != "finetune-chunked":
         return 0.0
     spec, e = w.model, w.precision.compute_bytes
-    chunk = min(chunk_tokens(spec.vocab_size), w.tokens_per_micro_batch) * spec.vocab_size
+    vocabulary = parallel.vocabulary_rows(w)  # under TP: the rank's shard of the head
+    chunk = min(chunk_tokens(vocabulary), w.tokens_per_micro_batch) * vocabulary
     logits = chunk * (4 + (e if e < 4 else 0))
     if w.method != "full":
         return logits
-    head = spec.vocab_size * spec.hidden_size
+    head = vocabulary * spec.hidden_size
     return 4 * head + max(logits, head * (e + 4 if e < 4 else 4) + chunk * e)
 
 
@@ -319,7 +374,8 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     tokens = parallel.tokens_per_rank(w)
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
-    kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
+    layer_input = spec.hidden_size * residual_bytes(w) / parallel.sequence_shards(w)  # what a checkpointed layer keeps
+    kept = recomputed * layer_input + (spec.num_layers - recomputed) * layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
     in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
@@ -374,6 +430,8 @@ def unmeasured_terms(w: Workload) -> list[str]:
         terms.append(f"the chunked loss's scratch ({chunk_scratch_bytes(w) / GIB:.2f} GiB, simulated on CPU)")
     if w.fused_optimizer and w.optimizer == "adamw" and not w.deepspeed:
         terms.append("fused AdamW's step (counted without foreach temporaries)")
+    if w.fp8:
+        terms.append(f"--fp8's float8 weight copies and cast scratch ({(fp8_params(w) * FP8_BYTES + fp8_scratch_bytes(w)) / GIB:.1f} GiB)")
     if w.objective_row.preference:
         terms.append(f"--objective {w.objective} (counted as {w.objective_row.sequences} sequence(s) per example"
                      + (", a frozen copy of the weights as the reference" if w.reference_copy else "") + ")")
@@ -446,6 +504,38 @@ def dequant_scratch_bytes(w: Workload) -> float:
     return largest * w.precision.compute_bytes  # dequantized experts: moe.materialized_weight_bytes
 
 
+# --fp8 (train/fp8.py) keeps a float8 copy of each frozen weight it casts, one byte per weight, beside
+# the 16-bit one; a cast makes an fp32 copy of its operand on the way (4 bytes per element, then 1)
+FP8_BYTES = 1
+FP8_CAST_BYTES = 4 + FP8_BYTES
+
+
+def fp8_linears(w: Workload) -> list[tuple[int, Linear]]:
+    """(layers, linear) of each frozen base linear --fp8 casts: the LoRA-adapted linears of the decoder
+    layers that are one matrix (fused experts keep their 16-bit matmuls)."""
+    if not w.fp8:
+        return []
+    targets = lora_targets(w)
+    return [(n, linear) for n, linears in layer_kinds(w.model) for linear in adapted(linears, targets) if linear.copies == 1]
+
+
+def fp8_params(w: Workload) -> int:
+    """Weights --fp8 holds a float8 copy of."""
+    return sum(n * linear.weight_params for n, linear in fp8_linears(w))
+
+
+def fp8_scratch_bytes(w: Workload) -> float:
+    """--fp8's temporaries at its widest linear: the operand it casts (the input forward, the output's
+    gradient backward) as fp32 and as float8 for one micro-batch, and, backward, the float8 weight
+    laid out transposed for the kernel."""
+    linears = [linear for _, linear in fp8_linears(w)]
+    if not linears:
+        return 0.0
+    widest = max(max(linear.fan_in, linear.fan_out) for linear in linears)
+    largest = max(linear.weight_params for linear in linears)
+    return parallel.tokens_per_rank(w) * widest * FP8_CAST_BYTES + largest * FP8_BYTES
+
+
 # Hugging Face checkpoints come in safetensors files of at most 5 GB (save_pretrained's default).
 CHECKPOINT_SHARD_BYTES = 5e9
 
@@ -500,13 +590,14 @@ def estimate(w: Workload) -> Breakdown:
     weights, gradients, optimizer, step_scratch = placed.weights, placed.gradients, placed.optimizer, placed.step_scratch
 
     persistent = comm_buffer_bytes(w, states)
-    scratch = dequant_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
+    scratch = dequant_scratch_bytes(w) + fp8_scratch_bytes(w) + parallel.ring_buffer_bytes(w)
     moments = [(acts, gathered + scratch) for acts, gathered in zip(activation_bytes(w), working_set_bytes(w))]
     activations, transient = max(moments, key=sum)
+    cached = cached_logits_bytes(w) if moments.index((activations, transient)) == 0 else 0.0
     if activations + transient >= step_scratch:
         phase, buffers = "forward/backward", persistent + transient
     else:
-        phase, activations, buffers = "optimizer step", 0.0, persistent + step_scratch
+        phase, activations, buffers, cached = "optimizer step", 0.0, persistent + step_scratch, 0.0
 
     return Breakdown(
         weights=weights,
@@ -517,4 +608,20 @@ def estimate(w: Workload) -> Breakdown:
         peak_phase=phase,
         host_offload=placed.offloaded * w.gpus_per_node,
         host_loading=loading_host_bytes(w),
+        cached=cached,
     )
+
+
+def cached_logits_bytes(w: Workload) -> float:
+    """What the allocator keeps cached beside a peak at the loss: VOCABULARY_CACHE of one fp32 copy of
+    the micro-batch's logits, when the loss holds full-vocabulary logits (not Liger's, not the chunked loss)."""
+    if not LOSS_BYTES_PER_VOCAB[w.loss_form](w.precision.compute_bytes):
+        return 0.0
+    return VOCABULARY_CACHE * parallel.tokens_per_rank(w) * w.model.vocab_size * 4
+
+
+def backward_activations(w: Workload) -> float:
+    """Activations per GPU at the peak of forward/backward, also where the optimizer step sets the
+    step's peak (`estimate` then reports none): `w` planned with an optimizer step that allocates
+    nothing, which changes nothing else."""
+    return estimate(replace(w, fused_optimizer=True)).activations

@@ -14,12 +14,17 @@ expert parameters (PEFT's ParamWrapper) and QLoRA's 4-bit experts (dequantized b
 parametrization) each hand the grouped matmul a 16-bit copy of the whole layer's experts, which
 backward keeps: one copy per layer whose activations are kept, like a saved activation that does not
 grow with the batch. Measured against MemTracker on fake tensors (tests/plan/test_planner_simulate.py).
+
+Because the experts are fused 3-D parameters, not linear layers, `--lora-targets all-linear` adapts no
+expert: `lora_reach` says what it adapts instead, in the trainer's words (families.lora_warnings), and
+the planner plans `with_experts` beside it.
 """
 
 from __future__ import annotations
 
-from finetune.models.families import LoraTargets
-from finetune.plan.params import layer_kinds
+from finetune.models import families
+from finetune.models.families import ALL_LINEAR, EXPERTS, PRESETS, LoraTargets
+from finetune.plan.params import layer_kinds, params_by_kind, resolve_lora_targets
 from finetune.plan.workload import Workload
 
 NOTES = (
@@ -110,3 +115,23 @@ def routing_bytes(w: Workload) -> float:
 def activated_width(spec) -> int:
     """The MLP width one token goes through in an MoE layer: its top-k experts and the shared ones."""
     return spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size
+
+
+def misses_experts(w: Workload) -> bool:
+    """A LoRA/QLoRA run of a mixture of experts whose --lora-targets adapt no expert."""
+    return w.method != "full" and w.model.moe and not resolve_lora_targets(w.model, w.lora_targets, w.method).experts
+
+
+def with_experts(lora_targets: str) -> str:
+    """The --lora-targets that add every expert to `lora_targets`: the preset for all-linear."""
+    return PRESETS[1] if lora_targets == ALL_LINEAR else f"{lora_targets},{EXPERTS}"
+
+
+def lora_reach(w: Workload) -> str:
+    """What a LoRA run that `misses_experts` adapts, and the trainer's own warning about the experts
+    (families.lora_warnings): 'LoRA adapts attention (6.7M adapter parameters); --lora-targets …'."""
+    targets = resolve_lora_targets(w.model, w.lora_targets, w.method)
+    kinds = params_by_kind(w.model, w.method, w.lora_r, targets)
+    reached = [f"{kind} ({trainable / 1e6:,.1f}M trainable)" for kind, (trainable, _) in kinds.items() if trainable]
+    warning = families.lora_warnings(w.lora_targets, w.model.family, targets)[0]
+    return f"LoRA adapts {' and '.join(reached) or 'nothing'} and no expert: {warning}"

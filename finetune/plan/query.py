@@ -19,7 +19,10 @@ def _flexible(key: str) -> str:
 def _longest_match(text: str, keys: dict[str, str]) -> tuple[str, re.Match] | None:
     """The catalog name whose spelling matches the longest span of `text` as a whole word."""
     best = None
+    compact = re.sub(r"[\s\-_.]", "", text)  # a spelling matches only where its letters are there in a row
     for key, name in keys.items():
+        if key not in compact:
+            continue
         for match in re.finditer(rf"(?<![a-z0-9]){_flexible(key)}(?![a-z0-9])", text):
             if best is None or len(match.group()) > len(best[1].group()):
                 best = (name, match)
@@ -38,7 +41,8 @@ def _model_spellings() -> dict[str, str]:
 
 
 def parse_gpus(text: str) -> tuple[str, int]:
-    """'2×A100 40GB', '8xH100', '1xRTX4090', '4x L40S', 'H200' → (catalog GPU name, count).
+    """'2×A100 40GB', '8xH100', '1xRTX4090', '4x L40S', 'H200', '2x48GB' → (GPU name, count): a catalog
+    name, or a card given by its memory ('48GB', gpus.by_memory).
 
     Raises FinetuneError naming close catalog GPUs when none is recognised.
     """
@@ -50,10 +54,11 @@ def parse_gpus(text: str) -> tuple[str, int]:
 
 
 def find_gpus(text: str) -> tuple[str, int] | None:
-    """(catalog GPU name, count) named in `text`, or None when it names no GPU.
+    """(GPU name, count) named in `text`, or None when it names no GPU. A size with no GPU name
+    ('2x48GB', 'on 2× 24 GB') is a card given by its memory.
 
-    Raises FinetuneError for a GPU-like word the catalog lacks ('2xA1000'), with close names, and
-    for a bare name or size that fits several entries ('A100', '40GB').
+    Raises FinetuneError for a GPU-like word the catalog lacks ('2xA1000'), with close names, for a
+    bare name that fits several entries ('A100'), and for a size no card has ('2x0GB').
     """
     original = text
     text = re.sub(r"(\d)\s*[x×*]\s*(?=[a-z0-9])", r"\1 x ", text.lower())
@@ -62,16 +67,17 @@ def find_gpus(text: str) -> tuple[str, int] | None:
         for bare, sizes in gpu_catalog.AMBIGUOUS.items():
             if re.search(rf"(?<![a-z0-9]){bare}(?![a-z0-9])", text):
                 raise FinetuneError(f"'{bare.upper()}' comes in several sizes: say which, e.g. {' or '.join(sizes)}.")
-        size = re.search(r"(?<![a-z0-9])(\d+)\s*gb?(?![a-z0-9])", text)
-        memory = int(size.group(1)) if size else None
+        size = re.search(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)\s*gi?b?(?![a-z0-9])", text)
         word = _gpu_like_word(original)
         if word:
-            gpu_catalog.get(word, memory)  # raises with close names
-        if size:
-            same = gpu_catalog.same_size(memory)
-            hint = f": {', '.join(same)}" if same else ""
-            raise FinetuneError(f"Which {memory} GB GPU? Name it{hint} (e.g. 2x{same[0] if same else 'A100-40GB'}).")
-        return None
+            gpu_catalog.get(word, float(size.group(1)) if size else None)  # raises with close names
+        if size is None:
+            return None
+        if gpu_catalog.memory_size(size.group()) is None:
+            low, high = gpu_catalog.MEMORY_ONLY_GIB
+            raise FinetuneError(f"No GPU has {size.group(1)} GB: give a card's memory in GiB from {low:g} to {high:g} "
+                                "(e.g. 2x48GB), or name the card (e.g. 2xA100-40GB).")
+        hit = gpu_catalog.by_memory(float(size.group(1))).name, size
     name, match = hit
     before = re.search(r"(\d+)\s*(?:x\s*)?$", text[: match.start()])
     after = re.match(r"\s*x\s*(\d+)", text[match.end():])

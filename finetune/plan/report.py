@@ -7,8 +7,8 @@ from pathlib import Path
 
 from finetune.config.objectives import OBJECTIVES
 from finetune.models.catalog import ModelSpec
-from finetune.plan import moe
-from finetune.plan.choose import Plan, Request, describe
+from finetune.plan import gpus, moe
+from finetune.plan.choose import TIGHT_SHARE, Plan, Request, describe, refused
 from finetune.plan.files import launch_command, ray_command
 from finetune.plan.memory import GIB, trainable_params, unmeasured_terms
 from finetune.plan.params import count_params
@@ -38,11 +38,14 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "fits": p.fits,
         "fits_device": p.fits_device,
         "fits_host": p.fits_host,
+        "tight": p.tight,
+        "margin_gib": round(p.margin_gib, 3),
         "memory_per_gpu_gib": {
             **{term: _gib(getattr(m, term)) for term in TERMS},
             "allocated": _gib(m.allocated),
             "reserved": _gib(m.reserved),
             "device": _gib(m.device(w.world_size)),
+            "held": _gib(m.held(w.world_size)),
         },
         "peak_phase": m.peak_phase,
         "memory_unmeasured": unmeasured_terms(w),
@@ -53,7 +56,7 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "tokens_per_second_likely": [round(p.speed.low, 1), round(p.speed.high, 1)],
         "communication_bound": p.speed.comm_bound,
         "speed_calibrated": p.speed.calibrated,
-        "speed_basis": p.speed.basis,
+        "speed_basis": p.speed_basis,
         "hours": round(hours, 2) if hours is not None else None,
         "hours_likely": _rounded(p.hours_likely(tokens), 2),
         "usd": round(cost, 2) if cost is not None else None,
@@ -61,11 +64,30 @@ def plan_dict(p: Plan, tokens: float | None, config_dir: str) -> dict:
         "launch_command": launch_command(p, config_dir),
         "ray_command": ray_command(p, config_dir),
         "reasons": list(p.reasons),
+        "with_experts": experts_dict(p.experts_variant),
     }
+
+
+def experts_dict(variant: Plan | None) -> dict | None:
+    """What a mixture of experts' LoRA plan that adapts no expert would cost with them (Plan.experts_variant)."""
+    if variant is None:
+        return None
+    w = variant.workload
+    return {"lora_targets": w.lora_targets, "trainable_params": trainable_params(w), "fits": variant.fits,
+            "tight": variant.tight, "device_gib": round(variant.device_gib, 3), "held_gib": round(variant.held_gib, 3),
+            "tokens_per_second": round(variant.speed.tokens_per_second, 1)}
 
 
 def _rounded(pair: tuple[float, float] | None, digits: int) -> list[float] | None:
     return [round(v, digits) for v in pair] if pair else None
+
+
+def gpu_note(gpu: gpus.GPUSpec) -> list[str]:
+    """What a card given by its memory is planned as."""
+    if not gpu.speed_of:
+        return []
+    return [f"{gpu.name}: a card given by its memory ({gpu.memory_gib:g} GiB); its speed, links, price and host RAM are "
+            f"planned as the catalog's nearest in memory, {gpu.speed_of} (name the card in --gpus for its own)"]
 
 
 def model_notes(spec: ModelSpec) -> list[str]:
@@ -102,34 +124,44 @@ def to_json(request: Request, plans: list[Plan], recommended: int | None, config
         "hardware": {
             "gpu": gpu.name, "count": request.gpus_per_node * request.nodes, "gpus_per_node": request.gpus_per_node,
             "nodes": request.nodes, "memory_gib": gpu.memory_gib, "bf16_tflops": gpu.bf16_tflops,
+            "fp8_tflops": gpu.fp8_tflops, "memory_tb_per_s": gpu.memory_tb_per_s,
             "interconnect": gpu.interconnect, "usd_per_hour": gpu.usd_per_hour,
-            "host_memory_gib_per_node": round(request.host_limit_gib, 1),
+            "host_memory_gib_per_node": round(request.host_limit_gib, 1), "speed_of": gpu.speed_of or None,
         },
         "tokens": request.tokens,
         "plans": [plan_dict(p, request.tokens, config_dir) for p in plans],
         "recommended": recommended,
+        "refused": refused(request),
     }
+
+
+def header_lines(request: Request) -> list[str]:
+    """What the table is of, how to read its columns, and the notes on the GPU and the model."""
+    spec, gpu = request.model, request.gpu
+    host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
+    return [
+        f"{spec.name}: {size_text(spec)} on {request.gpus_per_node * request.nodes}× {gpu.name} "
+        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}{objective_text(request)}; "
+        f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
+        "tp, cp: GPUs of one tensor- / context-parallel group; "
+        "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
+        "the allocator's cache + CUDA context (nvidia-smi at the peak); fits: allocated + CUDA context, what cannot be "
+        f"given back, within the card; tight: less than {TIGHT_SHARE:.0%} of it to spare; host = GiB per node (offload, "
+        "or loading the weights); "
+        "tok/s~ = not measured on this chip and shape family (see the speed reason); likely = the range the "
+        "speed model's cross-validated errors support (80 %), hours and $ over it",
+        *(f"note: {note}" for note in gpu_note(gpu) + model_notes(spec)),
+        "",
+    ]
 
 
 def table(request: Request, plans: list[Plan], recommended: int | None, config_dir: str,
           heading: str = "Recommended", launch: str | None = None) -> str:
     """One row per plan, then the recommendation (or `heading`) with its reasons and launch command
     (`launch`: what to print instead of the plan's own, e.g. a dry run's command and its files)."""
-    spec, gpu = request.model, request.gpu
+    gpu = request.gpu
     world = request.gpus_per_node * request.nodes
-    host_source = "--host-memory" if request.host_memory_gib is not None else f"typical for {gpu.name} hosts"
-    lines = [
-        f"{spec.name}: {size_text(spec)} on {world}× {gpu.name} "
-        f"({gpu.memory_gib:.0f} GiB, {gpu.interconnect}), seq len {request.seq_len}{objective_text(request)}; "
-        f"host RAM {request.host_limit_gib:.0f} GiB per node ({host_source})",
-        "tp, cp: GPUs of one tensor- / context-parallel group; "
-        "memory per GPU in GiB: W weights, G gradients, O optimizer, A activations, B buffers; device = allocated + "
-        "allocator slack + CUDA context; host = GiB per node (offload, or loading the weights); "
-        "tok/s~ = not measured on this chip and shape family (see the speed reason); likely = the range the "
-        "speed model's cross-validated errors support (80 %), hours and $ over it",
-        *(f"note: {note}" for note in model_notes(spec)),
-        "",
-    ]
+    lines = header_lines(request)
     header = ("", "method", "strategy", "offload", "tp", "cp", "mbs", "ckpt", "W", "G", "O", "A", "B", "device", "host", "fits",
               "tok/s", "likely", "hours", "$")
     rows = [header]
@@ -148,6 +180,12 @@ def table(request: Request, plans: list[Plan], recommended: int | None, config_d
     lines += ["  ".join(cell.rjust(width) if c >= 4 else cell.ljust(width) for c, (cell, width) in enumerate(zip(row, widths)))
               for row in rows]
     lines.append("")
+    left_out = refused(request)
+    if not plans:
+        lines.append(f"Nothing is planned on {world}× {gpu.name}: the trainer refuses what was asked:")
+        return "\n".join(lines + [f"  - {reason}" for reason in left_out])
+    if left_out:
+        lines += ["Left out (the trainer refuses them):", *(f"  - {reason}" for reason in left_out), ""]
     if recommended is None:
         lines.append(f"Nothing fits on {world}× {gpu.name}. Closest:")
         lines += [f"  - {why_not(p)}" for p in plans[:3]]
@@ -189,9 +227,11 @@ def with_range(value: float | None, likely: tuple[float, float] | None, form: st
 
 
 def _fits_cell(p: Plan) -> str:
-    """The table's fits column: yes, or NO with the constraints that failed."""
+    """The table's fits column: yes, tight with its margin, or NO with the constraints that failed."""
     failed = [name for name, ok in (("GPU", p.fits_device), ("host RAM", p.fits_host)) if not ok]
-    return "yes" if not failed else f"NO ({', '.join(failed)})"
+    if failed:
+        return f"NO ({', '.join(failed)})"
+    return f"tight ({p.margin_gib:.1f} GiB)" if p.tight else "yes"
 
 
 def why_not(p: Plan) -> str:
@@ -213,12 +253,16 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
     request = results[0][0]
     world = request.gpus_per_node * request.nodes
     lines = [f"What fits on {world}× {request.gpu.name} ({request.gpu.memory_gib:.0f} GiB, host RAM "
-             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}{objective_text(request)}:"]
+             f"{request.host_limit_gib:.0f} GiB per node), seq len {request.seq_len}{objective_text(request)}:",
+             *(f"note: {note}" for note in gpu_note(request.gpu))]
     for req, plans, recommended in results:
         name = f"{req.model.name} ({count_params(req.model).total / 1e9:.1f}B)"
+        if not plans:
+            lines.append(f"  {name:<24} nothing planned: {refused(req)[0] if refused(req) else 'no combination applies'}")
+            continue
         if recommended is None:
             closest = plans[0]
-            lines.append(f"  {name:<24} nothing fits (closest: {describe(closest.workload)}, {closest.device_gib:.0f} GiB "
+            lines.append(f"  {name:<24} nothing fits (closest: {describe(closest.workload)}, {closest.held_gib:.0f} GiB "
                          f"per GPU, {closest.host_gib:.0f} GiB host)")
             continue
         best = plans[recommended]
@@ -228,7 +272,7 @@ def what_fits_table(results: list[tuple[Request, list[Plan], int | None]]) -> st
                          f"${with_range(cost, best.cost_likely(req.tokens), ',.0f')}") if hours is not None else ""
         lines.append(
             f"  {name:<24} {describe(best.workload):<30} micro batch {best.workload.micro_batch_size:<3} "
-            f"{best.device_gib:5.1f} GiB  {best.speed.tokens_per_second:>9,.0f} tok/s "
+            f"{best.device_gib:5.1f} GiB{' tight' if best.tight else ''}  {best.speed.tokens_per_second:>9,.0f} tok/s "
             f"(likely {short_span(best.speed.low, best.speed.high)}){time_and_cost}   methods that fit: {', '.join(fitting)}"
         )
     lines.append("Details for one model: finetune plan --model NAME --gpus ...")
@@ -244,7 +288,7 @@ def draw_png(request: Request, plans: list[Plan], recommended: int | None, path:
 
 def draw_what_fits_png(results: list[tuple[Request, list[Plan], int | None]], path: str | Path) -> Path:
     """Stacked bars of each model's recommended plan (or its closest miss), one bar per model."""
-    chosen = [(req, plans[recommended if recommended is not None else 0]) for req, plans, recommended in results]
+    chosen = [(req, plans[recommended if recommended is not None else 0]) for req, plans, recommended in results if plans]
     labels = [f"{req.model.name}: {describe(p.workload)}" + ("" if p.fits else " (does not fit)") for req, p in chosen]
     request = results[0][0]
     title = f"What fits on {request.gpus_per_node * request.nodes}× {request.gpu.name}, seq {request.seq_len}"
@@ -264,7 +308,7 @@ def _draw_bars(plans: list[Plan], labels: list[str], request: Request, title: st
         axis.bar(range(len(plans)), values, bottom=bottom, label=term)
         bottom = [b + v for b, v in zip(bottom, values)]
     overhead = [p.device_gib - b for p, b in zip(plans, bottom)]
-    axis.bar(range(len(plans)), overhead, bottom=bottom, label="slack + CUDA context", color="lightgrey")
+    axis.bar(range(len(plans)), overhead, bottom=bottom, label="allocator cache + CUDA context", color="lightgrey")
     axis.axhline(request.gpu.memory_gib, color="red", linestyle="--", label=f"{request.gpu.name} ({request.gpu.memory_gib:.0f} GiB)")
     axis.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=8)
     axis.set_ylabel("GiB per GPU")

@@ -37,6 +37,8 @@ MAX_BODY_BYTES = 64 * 1024
 MAX_URL_BYTES = 8 * 1024
 # answers kept per server; a "what fits" answer is ~0.3 MB of JSON
 ANSWER_CACHE = 32
+# Memory sizes the GPU menu offers besides the catalog (a card given by its memory: plan.gpus.by_memory)
+MEMORY_SIZES_GIB = (8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
 # URL path → (file in finetune/plan/page/, content type). Nothing else is served.
 STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -59,11 +61,13 @@ def page_file(name: str) -> str:
 
 @cache
 def catalog() -> dict:
-    """What the form's menus offer: catalog models and GPUs, and each flag's choices."""
+    """What the form's menus offer: catalog models and GPUs, memory sizes for any other card, and each
+    flag's choices."""
     return {
         "models": [{"name": name, "params_b": round(count_params(spec).total / 1e9, 2)}
                    for name, spec in model_catalog.REAL_MODELS.items()],
         "gpus": [{"name": name, "memory_gib": spec.memory_gib} for name, spec in gpu_catalog.GPUS.items()],
+        "memory_sizes": list(MEMORY_SIZES_GIB),
         "choices": {"method": list(METHODS), "strategy": list(STRATEGIES), "offload": list(OFFLOADS),
                     "precision": list(PRECISIONS), "optimizer": list(OPTIMIZERS), "objective": list(OBJECTIVES)},
         "strategy_labels": {name: strategy.label for name, strategy in STRATEGIES.items()},

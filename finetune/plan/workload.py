@@ -61,6 +61,10 @@ class Workload:
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
+    fp8: bool = False  # LoRA's frozen base linears in float8 matmuls (--fp8, train/fp8.py): plan.memory, plan.speed
+    # a sliding window as long as the rows keeps its explicit mask, as transformers builds it (TRL, the
+    # GPU kit's profile); finetune's trainer switches it off (ModelSpec.masks_attention)
+    inert_window_kept: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
@@ -167,7 +171,18 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
         # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
         # compilation is off unless asked for
-        loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile),
+        loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile), fp8=config.fp8,
         objective=config.objective,
         precompute_reference=precomputes_reference(config.objective, config.precompute_reference, config.method),
     )
+
+
+# AMD's chips have FP8 tensor cores, but the trainer runs train/fp8.py only on NVIDIA GPUs (train/run.py
+# checks for CUDA without HIP): MI300X's float8 formats are the fnuz variants, and MI355X's OCP formats are
+# not measured through torch._scaled_mm on ROCm
+AMD_CHIPS = ("MI300X", "MI355X")
+
+
+def runs_fp8(gpu: GPUSpec) -> bool:
+    """`gpu` runs train/fp8.py's float8 matmuls (NVIDIA, compute capability ≥ 8.9)."""
+    return gpu.fp8_tflops > 0 and gpu.chip not in AMD_CHIPS

@@ -30,7 +30,7 @@ from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import GIB, ModelStates, deepspeed_optimizer_bytes, estimate, place_states
 from finetune.plan.params import params_by_kind, resolve_lora_targets
 from finetune.plan.speed import estimate_speed
-from finetune.plan.workload import Workload, from_run
+from finetune.plan.workload import Workload, from_run, runs_fp8
 
 BUILT_TERMS = ("weights", "gradients", "optimizer")
 
@@ -50,7 +50,7 @@ def gpu_of(run: ResolvedRun, device: Device) -> GPUSpec:
 def device_of(gpu: GPUSpec) -> Device:
     """The Device a run on `gpu` sees: with `--dry-run --gpu NAME` every choice (precision `auto`,
     whether bf16 or fp16 can run) resolves as on that GPU rather than on the machine planning it."""
-    return Device(cuda=True, name=gpu.name, bf16=gpu.bf16, total_bytes=int(gpu.memory_gib * GIB))
+    return Device(cuda=True, name=gpu.name, bf16=gpu.bf16, fp8=runs_fp8(gpu), total_bytes=int(gpu.memory_gib * GIB))
 
 
 def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
@@ -61,7 +61,7 @@ def plan_run(run: ResolvedRun, gpu: GPUSpec) -> tuple[Request, Plan]:
                       micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                       gradient_checkpointing=w.gradient_checkpointing, gradient_checkpointing_layers=w.checkpointed_layers,
                       lora_r=w.lora_r, lora_targets=w.lora_targets,
-                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp,
+                      gradient_accumulation_steps=w.gradient_accumulation_steps, tp=w.tp, cp=w.cp, fp8=w.fp8,
                       objective=w.objective, precompute_reference=w.precompute_reference)
     plan = Plan(w, estimate(w), estimate_speed(w), (), request.host_limit_gib)
     return request, replace(plan, reasons=explain(plan, None, [plan]))

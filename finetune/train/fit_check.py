@@ -21,12 +21,14 @@ from finetune.plan.workload import Workload, from_run
 
 def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_free_bytes: int | None) -> str | None:
     """Why the run will not fit a GPU with `free_bytes` free (and a host with `host_free_bytes`
-    available, per node), with what would; None when it fits."""
-    w, needed = workload, memory.device(workload.world_size)
+    available, per node), with what would; None when it fits. The planner's rule: what the run cannot
+    give back at its peak (memory.Breakdown.held: allocated + CUDA context) against the free memory;
+    the allocator's cache is given back before it runs out, so a tight run starts."""
+    w, needed = workload, memory.held(workload.world_size)
     problems = []
     if needed > free_bytes:
-        problems.append(f"it needs {needed / GIB:.1f} GiB per GPU ({', '.join(_largest_terms(memory))} GiB) but "
-                        f"{free_bytes / GIB:.1f} GiB are free")
+        problems.append(f"it needs {needed / GIB:.1f} GiB per GPU ({', '.join(_largest_terms(memory))} GiB, and the CUDA "
+                        f"context) but {free_bytes / GIB:.1f} GiB are free")
     if host_free_bytes is not None and memory.host > host_free_bytes:
         problems.append(f"it needs {memory.host / GIB:.0f} GiB of host RAM per node (offload and loading) but "
                         f"{host_free_bytes / GIB:.0f} GiB are available")
@@ -49,8 +51,8 @@ def fit_problem(workload: Workload, memory: Breakdown, free_bytes: int, host_fre
 
 
 def check_fit(run: ResolvedRun, device: Device) -> None:
-    """Stop before weights load when this run's plan does not fit the GPU's free memory or the
-    host's available RAM. Runs whose architecture the planner cannot read are not checked."""
+    """Stop before weights load when this run's plan does not fit the GPU's free memory (`fit_problem`)
+    or the host's available RAM. Runs whose architecture the planner cannot read are not checked."""
     if run.spec is None:
         return
     gpu = GPUSpec(catalog_name(device), (device.total_bytes or 0) / GIB, 0.0, device.bf16, "unknown", 0.0, 0.0, 0.0)
@@ -62,11 +64,11 @@ def check_fit(run: ResolvedRun, device: Device) -> None:
 
 def catalog_name(device: Device) -> str:
     """How `finetune plan --gpus` names this device: its catalog entry ('NVIDIA A100-SXM4-40GB' →
-    A100-40GB), else a catalog GPU of the same memory size, else the device's own name."""
+    A100-40GB), else a catalog GPU of the same memory size, else the card by its memory ('72GB')."""
     memory_gib = (device.total_bytes or 0) / GIB
     found = gpu_catalog.identify(device.name, memory_gib) if device.name else None
     alike = gpu_catalog.same_size(memory_gib)
-    return found.name if found else alike[0] if alike else device.name or "GPU"
+    return found.name if found else alike[0] if alike else gpu_catalog.by_memory(max(1.0, round(memory_gib, 1))).name
 
 
 # Sustained fp32 training FLOP/s of one CPU core, from one measured step on the 2-core machine the

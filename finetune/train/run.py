@@ -68,7 +68,8 @@ def this_device() -> Device:
         return Device()
     index = int(os.environ.get("LOCAL_RANK", "0"))
     free, total = torch.cuda.mem_get_info(index)
-    return Device(cuda=True, name=torch.cuda.get_device_name(index), bf16=torch.cuda.is_bf16_supported(),
+    fp8 = torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 9)  # train/fp8.py's kernels
+    return Device(cuda=True, name=torch.cuda.get_device_name(index), bf16=torch.cuda.is_bf16_supported(), fp8=fp8,
                   free_bytes=free, total_bytes=total)
 
 

@@ -1,14 +1,17 @@
 """Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
-loss, regional compilation of the decoder blocks, the attention kernel. Each one that cannot apply (CPU, an
-architecture Liger does not cover, a package not installed or not importing) says so in one line and the
-run goes on without it; numerically each is the plain path (tests/train/test_speedups.py,
-tests/train/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
+loss, float8 matmuls for LoRA's frozen base (train/fp8.py), regional compilation of the decoder blocks
+(LoRA adapters and float8 matmuls inside them), the attention kernel, and a sliding window no row reaches
+switched off (train/sliding_window.py). Each one that cannot apply (CPU, an architecture Liger does not
+cover, a package not installed or not importing) says so in one line and the run goes on without it;
+numerically each is the plain path (tests/train/test_speedups.py, tests/train/test_chunked_loss.py,
+tests/train/test_sliding_window.py on CPU). Liger, the chunked loss and fused AdamW resolve in
 config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
 Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
 run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
 it does not hold; compilation off until the GPU kit (bench/gpu_kit/throughput.py) has measured it,
-its time reported apart from training time; attention `auto` = sdpa, packing included, because flex
+its time reported apart from training time; `--fp8` off unless given, since it rounds the base's
+matmul operands to float8 and has not run on a GPU; attention `auto` = sdpa, packing included, because flex
 attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
 train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
 """
@@ -26,7 +29,7 @@ import torch
 from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
 from finetune.config.switches import Switches, liger_function, resolve_switches
-from finetune.train import chunked_loss
+from finetune.train import chunked_loss, fp8, sliding_window
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Speedups(Switches):
 
     compile: bool = False
     attention: str = "sdpa"  # "sdpa", "flex" or "flash"
+    fp8: bool = False  # LoRA's frozen base in float8 matmuls (resolve_run refused it where it cannot run)
 
 
 def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
@@ -51,7 +55,7 @@ def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: 
     if attention == "flash" and importlib.util.find_spec("flash_attn") is None:
         notes, attention = [*notes, "--attention flash: flash-attn is not installed; using sdpa"], "sdpa"
     return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=tuple(notes), compile=compile_,
-                    attention=attention)
+                    attention=attention, fp8=config.fp8)
 
 
 # transformers' names of the attention kernels
@@ -71,11 +75,18 @@ def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say:
         chunked_loss.install(base)
     if chosen.attention != "sdpa":
         base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
+    window = sliding_window.switch_off_inert_window(base, config.max_seq_len)
+    if window:
+        say(window)
+    fp8_text = ""
+    if chosen.fp8:  # before compiling, so the compiled blocks hold the float8 matmuls
+        replaced, kept = fp8.install(model)
+        fp8_text = f", fp8 on ({replaced} base linears" + (f"; {kept} kept bf16, sizes not multiples of 16)" if kept else ")")
     if chosen.compile:
         os.environ.setdefault(INDUCTOR_CACHE_VARIABLE, str(inductor_cache()))
         compile_blocks(model)
     say(f"speed switches: liger {'on' if chosen.liger else 'off'}, chunked loss {'on' if chosen.chunked_loss else 'off'}, "
-        f"compile {'on' if chosen.compile else 'off'}, attention {chosen.attention}")
+        f"compile {'on' if chosen.compile else 'off'}, attention {chosen.attention}{fp8_text}")
     return model
 
 
@@ -98,11 +109,27 @@ def compile_seconds() -> float:
 
 def compile_blocks(model: torch.nn.Module, **compile_kwargs) -> int:
     """torch.compile every repeated block (the decoder layers) in place: regional compilation, one
-    compiled graph reused by all layers; in place, so parameter names, FSDP2 hooks and checkpoints
-    stay those of the eager model. `compile_kwargs` go to torch.compile. Returns how many blocks."""
+    compiled graph reused by all layers (their weights are the graph's inputs); in place, so parameter
+    names, FSDP2 hooks and checkpoints stay those of the eager model. PEFT's LoRA layers and
+    train/fp8.py's float8 linears inside a block compile with it, and so does its activation
+    checkpointing (transformers checkpoints inside the layer's forward): one graph for the layers
+    that recompute and one for those that keep their activations.
+
+    Only forwards that build a graph for backward run compiled: evaluation and generation run
+    under no_grad, where the blocks see a KV cache whose per-layer state would make Dynamo compile
+    each layer apart until its recompile limit, so they run eager. `compile_kwargs` go to
+    torch.compile. Returns how many blocks."""
     from accelerate.utils.other import is_repeated_blocks
 
     blocks = [block for module in model.modules() if is_repeated_blocks(module) for block in module]
     for block in blocks:
-        block.compile(**compile_kwargs)
+        # what nn.Module.compile sets, with no_grad calls sent to the eager forward
+        block._compiled_call_impl = _when_training(torch.compile(block._call_impl, **compile_kwargs), block._call_impl)
     return len(blocks)
+
+
+def _when_training(compiled: Callable, eager: Callable) -> Callable:
+    """`compiled` where autograd records (training, checkpointing's recompute), else `eager`."""
+    def call(*args, **kwargs):
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+    return call

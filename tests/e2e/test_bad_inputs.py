@@ -261,10 +261,10 @@ CASES = [
 
     # ---------------------------------------------------------------- GPUs
     case("gpu-unknown-in-query", "plan what fits on 2xA1000 40GB", "Unknown GPU 'A1000'", "Did you mean: A100-40GB"),
-    case("gpu-unknown-flag", "plan --model llama-7b --gpus 2xB200", "Unknown GPU 'B200'", "H200"),
+    case("gpu-unknown-flag", "plan --model llama-7b --gpus 2xB900", "Unknown GPU 'B900'", "B200"),
     case("gpu-ambiguous", "plan --model llama-7b --gpus 2xA100", "comes in several sizes", "A100-40GB or A100-80GB"),
     case("gpu-zero-count", "plan --model llama-7b --gpus 0xH100", "GPU count must be ≥ 1"),
-    case("gpu-only-a-size", "plan what fits on 40GB", "Which 40 GB GPU?", "A100-40GB"),
+    case("gpu-impossible-size", "plan what fits on 2x0GB", "No GPU has 0 GB", "e.g. 2x48GB"),
     case("gpu-none", "plan --model llama-7b", "Say which GPUs"),
     case("gpu-zero-nodes", "plan --model llama-7b --gpus 2xH100 --nodes 0", "--nodes must be ≥ 1, got 0"),
 

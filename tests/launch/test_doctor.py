@@ -206,7 +206,7 @@ def test_spawned_all_reduce_times_every_size():
     ("NVIDIA H100 80GB HBM3", 79.1, "H100-80GB"), ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
     ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB"), ("NVIDIA L40S", 44.4, "L40S"), ("NVIDIA L4", 22.0, "L4"),
     ("Tesla T4", 14.7, "T4"), ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090"), ("NVIDIA H200", 139.8, "H200"),
-    ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"), ("NVIDIA B200", 180.0, None),
+    ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"), ("NVIDIA B200", 179.1, "B200"), ("Acme Tensor X9", 64.0, None),
 ])
 def test_cuda_device_names_map_to_the_gpu_catalog(device_name, memory_gib, entry):
     from finetune.plan.gpus import identify

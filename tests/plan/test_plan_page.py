@@ -105,7 +105,7 @@ def test_files_are_those_write_config_writes_plus_an_sbatch_script(base_url, tmp
     ({"q": "llama-7b on 2xA100-40GB", "strategy": "single"}, "strategy", ["llama-7b on 2xA100-40GB", "--strategy", "single"]),
     ({"q": "llama-7b on 2xA1000"}, "q", ["llama-7b on 2xA1000"]),
     ({"q": "falcon-40b on 2xA100-40GB"}, "q", ["falcon-40b on 2xA100-40GB"]),
-    ({"model": "llama-7b", "gpu": "B200"}, "gpu", ["--model", "llama-7b", "--gpus", "1xB200"]),
+    ({"model": "llama-7b", "gpu": "B900"}, "gpu", ["--model", "llama-7b", "--gpus", "1xB900"]),
     ({"model": "lama-7b", "gpu": "H100-80GB"}, "model", ["--model", "lama-7b", "--gpus", "1xH100-80GB"]),
 ])
 def test_errors_are_the_cli_messages_aimed_at_the_field(base_url, fields, field, cli_args):

@@ -247,7 +247,7 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
                       micro_batch_size=4)
     plans, best = plan(request)
     chosen = plans[best]
-    needed = chosen.memory.device(1)
+    needed = chosen.memory.held(1)
     assert fit_problem(chosen.workload, chosen.memory, int(needed) + 2**30, None) is None
     message = fit_problem(chosen.workload, chosen.memory, int(needed) - 2**30, None)
     assert message.startswith(f"This run will not fit: it needs {needed / GIB:.1f} GiB per GPU")
@@ -260,6 +260,7 @@ def test_fit_check_decides_from_free_memory_and_says_what_would_fit():
 @pytest.mark.parametrize("name, memory_gib, expected", [
     ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),  # a CUDA device name: the catalog's name for it
     ("Acme Tensor Card 80", 79.6, "A100-80GB"),  # not in the catalog: a catalog GPU of its size
+    ("Acme Tensor Card 72", 72.0, "72GB"),  # no catalog GPU of its size: the card by its memory
 ])
 def test_fit_check_suggests_a_plan_command_that_runs_when_pasted(name, memory_gib, expected, capsys):
     import shlex
@@ -304,7 +305,7 @@ SIMPLER = {"single": 0, "ddp": 1, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 2}
 
 @pytest.mark.parametrize("model, method, decided_by", [
     ("llama-3.1-8b", "auto", "the method that changes the model least (lora before qlora)"),
-    ("llama-7b", "lora", "the simpler strategy (DDP before FSDP2)"),
+    ("llama-7b", "lora", "the simpler strategy (DDP before ZeRO-3)"),
 ])
 def test_ties_within_the_fastest_plans_range_go_to_less_change_then_simpler_and_the_output_says_which(model, method, decided_by):
     plans, best = plan(Request(model=catalog.get(model), gpu=gpus.get("A100-40GB"), gpus_per_node=2, method=method))

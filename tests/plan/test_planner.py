@@ -14,7 +14,7 @@ from finetune.errors import FinetuneError
 from finetune.models import catalog
 from finetune.models.source import resolve_model
 from finetune.plan import gpus
-from finetune.plan.choose import Request, plan
+from finetune.plan.choose import Request, plan, roomy
 from finetune.plan.files import accelerate_config, deepspeed_config, launch_command, write_configs
 from finetune.plan.memory import GIB, estimate
 from finetune.plan.query import parse_gpus, parse_query
@@ -65,7 +65,6 @@ def test_query_spellings(text, expected):
     ("hello world", "Cannot understand"),
     ("falcon-40b on 2xA100-40GB", "Unknown model 'falcon-40b'"),
     ("llama-7b on 2xA100", "A100-40GB or A100-80GB"),
-    ("70b on 2x24GB", "RTX3090, RTX4090"),
 ])
 def test_nonsense_queries_fail_clearly(text, message):
     with pytest.raises(FinetuneError, match=message):
@@ -73,8 +72,8 @@ def test_nonsense_queries_fail_clearly(text, message):
 
 
 def test_unknown_gpu_flag_gives_clean_cli_error(capsys):
-    assert cli_main(["plan", "--model", "llama-7b", "--gpus", "2xB200"]) == 2
-    assert "Unknown GPU 'B200'" in capsys.readouterr().err
+    assert cli_main(["plan", "--model", "llama-7b", "--gpus", "2xB900"]) == 2
+    assert "Unknown GPU 'B900'" in capsys.readouterr().err
 
 
 def test_model_from_local_config_json(tmp_path):
@@ -196,7 +195,7 @@ def test_open_micro_batch_is_the_largest_that_fits():
     plans, best = plan(request)
     chosen = plans[best].workload
     assert 1 < chosen.micro_batch_size < 64
-    assert fits(chosen) and not fits(chosen.with_micro_batch(chosen.micro_batch_size + 1))
+    assert roomy(chosen) and not roomy(chosen.with_micro_batch(chosen.micro_batch_size + 1))  # the largest with room
 
 
 def test_invalid_combinations_are_rejected_with_fixes():
@@ -304,7 +303,8 @@ def test_speed_switches_are_planned_and_pinned_in_the_launch_command(capsys):
     the plan command carry the flags, so the run is the one planned."""
     def planned(model: str, seq_len: int, micro_batch: int, *flags: str) -> dict:
         argv = ["plan", "--model", model, "--gpus", "1xH100", "--method", "lora", "--seq-len", str(seq_len),
-                "--micro-batch-size", str(micro_batch), "--gradient-checkpointing", "--json", *flags]
+                "--micro-batch-size", str(micro_batch), "--gradient-checkpointing", "--gradient-checkpointing-layers", "99",
+                "--json", *flags]  # every layer checkpointed (99 ≥ any model's): the loss's memory alone differs
         assert cli_main(argv) == 0
         result = json.loads(capsys.readouterr().out)
         return result["plans"][result["recommended"]]

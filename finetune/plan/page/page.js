@@ -40,6 +40,9 @@ function fillMenus() {
   add(form.model, catalog.models.map((m) => ({value: m.name, text: `${m.name} (${m.params_b}B)`})));
   add(form.model, [{value: PASTE, text: "paste a config.json…"}]);
   add(form.gpu, catalog.gpus.map((g) => ({value: g.name, text: `${g.name} (${g.memory_gib} GiB)`})));
+  const byMemory = el("optgroup", {label: "any card, by its memory (speed as the nearest catalog card's)"});
+  byMemory.append(...catalog.memory_sizes.map((gib) => el("option", {value: `${gib}GB`}, `${gib} GiB card`)));
+  form.gpu.append(byMemory);
   for (const select of form.querySelectorAll("select[data-choices]")) {
     add(select, catalog.choices[select.dataset.choices].map((c) => ({value: c, text: c})));
   }
@@ -138,10 +141,12 @@ function onePlan(data) {
     `(${fmt(hw.memory_gib)} GiB, ${hw.interconnect}${hw.nodes > 1 ? `, ${hw.nodes} nodes` : ""}), `,
     `seq len ${plans.length ? plans[0].seq_len : "?"}; host RAM ${fmt(hw.host_memory_gib_per_node)} GiB per node`,
     r.tokens ? `; ${fmt(r.tokens)} training tokens` : el("span", {class: "muted"}, " (hours and $: give training tokens)"));
+  if (!plans.length) return [head, commandLine(data.command), refusedBox(`Nothing is planned on ${world}× ${hw.gpu}: the trainer refuses what was asked`, r.refused)];
   const verdict = r.recommended === null
     ? el("p", {class: "verdict bad"}, `Nothing fits on ${world}× ${hw.gpu}. Try more GPUs, QLoRA, a shorter sequence, or offload.`)
-    : el("p", {class: "verdict good"}, "Recommended: ", el("strong", {}, describe(plans[r.recommended])),
+    : el("p", {class: `verdict ${plans[r.recommended].tight ? "tight" : "good"}`}, "Recommended: ", el("strong", {}, describe(plans[r.recommended])),
       `, micro batch ${plans[r.recommended].micro_batch_size}`, plans[r.recommended].gradient_checkpointing ? ", gradient checkpointing" : "",
+      plans[r.recommended].tight ? `, fits, tight (margin ${fmt(plans[r.recommended].margin_gib, 1)} GiB)` : "",
       ` — ${fmt(plans[r.recommended].tokens_per_second)} tokens/s, likely ${span(plans[r.recommended].tokens_per_second_likely)}`,
       el("span", {class: "muted"}, ` (speed ${plans[r.recommended].speed_basis})`));
   const scale = barScale(hw.memory_gib, plans.map((p) => p.memory_per_gpu_gib.device));
@@ -152,7 +157,7 @@ function onePlan(data) {
     el("td", {class: "barcell"}, memoryBar(p, scale, hw.memory_gib)),
     el("td", {class: "num"}, fmt(p.memory_per_gpu_gib.device, 1)),
     el("td", {class: "hostcell"}, hostBar(p, hostScale, hw.host_memory_gib_per_node)),
-    el("td", {}, p.fits ? "yes" : p.fits_device ? "NO (host)" : "NO"),
+    el("td", {}, fitsText(p)),
     likelyCell(p.tokens_per_second, p.tokens_per_second_likely), likelyCell(p.hours, p.hours_likely, 1),
     likelyCell(p.usd, p.usd_likely), el("td", {class: "why"}, why(p, i, r.recommended))));
   const table = el("table", {id: "plans", class: "plans"},
@@ -161,12 +166,26 @@ function onePlan(data) {
     el("tbody", {}, rows));
   const p = plans[selected];
   const title = `${selected === r.recommended ? "Recommended" : `Plan ${selected + 1}`}: ${describe(p)}, micro batch ${p.micro_batch_size}`;
-  return [head, commandLine(data.command), verdict, legend(), el("div", {class: "scroll"}, table),
+  const leftOut = r.refused.length ? refusedBox("Left out: the trainer refuses them", r.refused) : null;
+  return [head, commandLine(data.command), verdict, leftOut, legend(), el("div", {class: "scroll"}, table),
     detail(title, p.reasons, p.launch_command, data.files[selected], p.fits)];
+}
+
+function fitsText(p) {
+  if (!p.fits) return p.fits_device ? "NO (host)" : "NO";
+  return p.tight ? `tight (${fmt(p.margin_gib, 1)} GiB)` : "yes";
+}
+
+// What the request asked for that the trainer would refuse, in its own words.
+function refusedBox(title, reasons) {
+  return el("div", {class: "verdict bad refused"}, title, el("ul", {}, reasons.map((reason) => el("li", {}, reason))));
 }
 
 function whatFits(data) {
   const hw = data.result[0].hardware;
+  const results = data.result.filter((r) => r.plans.length);  // a model the trainer refuses as asked has no plan to show
+  if (!results.length) return [commandLine(data.command), refusedBox("Nothing is planned: the trainer refuses what was asked", data.result[0].refused)];
+  data = {...data, result: results, files: data.files.filter((_, i) => data.result[i].plans.length)};
   const best = data.result.map((r) => r.plans[r.recommended ?? 0]);
   if (selected === null) selected = Math.max(0, data.result.findIndex((r) => r.recommended !== null));
   const scale = barScale(hw.memory_gib, best.map((p) => p.memory_per_gpu_gib.device));
@@ -207,7 +226,7 @@ function span(likely, digits) {
 }
 
 function rowClass(p, i, recommended) {
-  return [p.fits ? "fits" : "nofit", i === recommended ? "recommended" : "", i === selected ? "selected" : ""].join(" ");
+  return [p.fits ? "fits" : "nofit", p.tight ? "tight" : "", i === recommended ? "recommended" : "", i === selected ? "selected" : ""].join(" ");
 }
 
 function why(p, i, recommended) {
@@ -235,7 +254,7 @@ function bar(parts, total, scale, limit, extraClass) {
 function memoryBar(p, scale, capacity) {
   const m = p.memory_per_gpu_gib;
   const known = TERMS.reduce((sum, term) => sum + m[term], 0);
-  const parts = [...TERMS.map((term) => [term, m[term]]), ["slack + CUDA context", Math.max(0, m.device - known)]];
+  const parts = [...TERMS.map((term) => [term, m[term]]), ["cache + CUDA context", Math.max(0, m.device - known)]];
   const box = bar(parts, m.device, scale, capacity, "");
   box.title = parts.map(([term, gib]) => `${term} ${fmt(gib, 1)} GiB`).join("\n");
   return box;
@@ -248,7 +267,7 @@ function hostBar(p, scale, limit) {
 }
 
 function legend() {
-  return el("div", {class: "legend"}, [...TERMS, "slack"].map((term) => el("span", {}, el("i", {class: `seg t-${term}`}), term === "slack" ? "slack + CUDA context" : term)),
+  return el("div", {class: "legend"}, [...TERMS, "slack"].map((term) => el("span", {}, el("i", {class: `seg t-${term}`}), term === "slack" ? "allocator cache + CUDA context" : term)),
     el("span", {}, el("i", {class: "limitkey"}), "GPU memory"), el("span", {}, el("i", {class: "seg t-host"}), "host RAM per node (line: available)"),
     el("span", {class: "muted"}, "click a row for its details"));
 }
