@@ -109,9 +109,15 @@ def orpo_scores(s: Settings, policy: torch.Tensor, tokens: torch.Tensor) -> Scor
     """ORPO: the chosen answer's mean token cross-entropy, plus β × −log σ(log odds(chosen) − log
     odds(rejected)), the odds of a mean log-probability m being e^m / (1 − e^m)."""
     chosen, rejected = _split(policy / tokens)
-    log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+    log_odds = (chosen - rejected) - (_log_one_minus_exp(chosen) - _log_one_minus_exp(rejected))
     loss = -chosen - s.beta * F.logsigmoid(log_odds)
     return Scores(loss, s.beta * chosen.detach(), s.beta * rejected.detach())
+
+
+def _log_one_minus_exp(m: torch.Tensor) -> torch.Tensor:
+    """log(1 − eᵐ) for a mean log-probability m < 0, accurate near 0 (expm1), finite at m = 0 (a certain
+    answer: its odds are capped rather than infinite)."""
+    return torch.log(-torch.expm1(m.clamp(max=-1e-6)))
 
 
 def kto_scores(s: Settings, policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor,

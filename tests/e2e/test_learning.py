@@ -34,12 +34,14 @@ def printed_command(page: str, starts_with: str) -> list[str]:
     raise AssertionError(f"{page} has no command starting with {starts_with!r}")
 
 
-def run_as_printed(words: list[str], output_dir: Path) -> dict:
-    """A printed command in a fresh process, with its --output-dir moved to `output_dir`: its summary."""
+def run_as_printed(words: list[str], output_dir: Path, **moved: Path) -> dict:
+    """A printed command in a fresh process, with its --output-dir moved to `output_dir` (and the flags
+    named in `moved`, e.g. model=...: --model, to theirs): its summary."""
     assert words[:3] == ["python", "-m", "finetune"] and "--output-dir" in words
     words = list(words)
-    words[words.index("--output-dir") + 1] = str(output_dir)
-    subprocess.run([sys.executable, *words[1:]], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    for flag, value in {"output_dir": output_dir, **moved}.items():
+        words[words.index("--" + flag.replace("_", "-")) + 1] = str(value)
+    subprocess.run([sys.executable, *words[1:]], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     return json.loads((output_dir / "summary.json").read_text())
 
 
@@ -60,10 +62,33 @@ def test_readmes_preference_command_learns_the_embedded_pairs(tmp_path):
     assert summary["reward_margin_after"] > 1.0 and summary["eval_loss_after"] < 0.4
 
 
-def test_the_smollm2_demo_learns_the_smart_home_api(tmp_path, smollm2_dir):
+@pytest.fixture(scope="module")
+def smarthome_lora(tmp_path_factory, smollm2_dir) -> tuple[dict, Path]:
+    """The demo's supervised stage as printed: its summary and output dir (the preference stage starts from it)."""
+    output_dir = tmp_path_factory.mktemp("smarthome") / "lora"
+    summary = run_as_printed(printed_command("docs/real-model-demo.md", "python -m finetune --model smollm2-135m"), output_dir)
+    return summary, output_dir
+
+
+def test_the_smollm2_demo_learns_the_smart_home_api(smarthome_lora):
     """Measured at these defaults: 86 % or more of the 50 held-out chats (bench/quality.py, docs/real-model-demo.md)."""
-    summary = run_as_printed(printed_command("docs/real-model-demo.md", "python -m finetune --model smollm2-135m"),
-                             tmp_path / "smarthome")
+    summary, _ = smarthome_lora
     assert summary["steps"] == 30
     assert summary["exact_match_before"] == 0.0
     assert summary["exact_match_after"] >= 0.80
+
+
+def test_the_smollm2_demos_preference_stage_fixes_held_out_answers(smarthome_lora, tmp_path):
+    """The printed export of the supervised stage, then the printed DPO stage on examples/smarthome-preference:
+    more of the same 50 held-out chats exactly right after it than before (docs/real-model-demo.md)."""
+    _, lora = smarthome_lora
+    export = printed_command("docs/real-model-demo.md", "finetune export runs/smarthome-lora")
+    assert export[:3] == ["finetune", "export", "runs/smarthome-lora"] and "--merge-lora" in export
+    merged = tmp_path / "sft"
+    export[export.index("--out") + 1] = str(merged)
+    subprocess.run([sys.executable, "-m", "finetune", "export", str(lora), *export[3:]], cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL, timeout=1800)
+    summary = run_as_printed(printed_command("docs/real-model-demo.md", "python -m finetune --model runs/smarthome-sft"),
+                             tmp_path / "dpo", model=merged)
+    assert summary["objective"] == "dpo" and summary["preference_accuracy_after"] > 0.9
+    assert summary["exact_match_after"] > summary["exact_match_before"]

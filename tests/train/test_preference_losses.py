@@ -70,6 +70,8 @@ def test_each_preference_loss_is_its_formula():
     odds = means - torch.log1p(-means.exp())
     orpo = scores_of("orpo")
     assert torch.allclose(orpo.loss, -means[:, 0] - 0.5 * F.logsigmoid(odds[:, 0] - odds[:, 1]))
+    certain = score(OBJECTIVES["orpo"], Settings(beta=0.5), torch.tensor([0.0, -1.0]), torch.ones(2), None)
+    assert torch.isfinite(certain.loss).all()  # a chosen answer of probability 1: its odds capped, not infinite
 
 
 def test_kto_compares_each_rows_reward_with_the_kl_estimate():
