@@ -33,7 +33,7 @@ from finetune.train.accelerator import build_accelerator
 from finetune.train.metrics import plot_loss_curve
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
 from finetune.train.session import Opened, Session
-from finetune.train.speedups import apply_speedups
+from finetune.train.speedups import apply_speedups, flattens_packed_rows
 
 
 def main(command: Command) -> int:
@@ -116,7 +116,7 @@ def build(run: ResolvedRun, opened: Opened) -> Session:
         loading.check_packing_support(model)
     model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
 
-    collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
+    collator = Collator(tokenizer, context_parallel=run.parallelism.cp, flatten=flattens_packed_rows(model))
     train_loader = train_dataloader(data.train, run.batch, config, collator)
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
     optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
