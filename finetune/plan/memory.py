@@ -221,7 +221,7 @@ def layer_activation_bytes(w: Workload) -> float:
     inter = spec.shared_expert_intermediate_size if spec.moe else spec.intermediate_size  # MoE: the shared expert
     residual = residual_bytes(w)
     out = residual if w.method == "qlora" else e  # dtype of a projection's output
-    attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
+    attn = attention_bytes(w)
     full = w.method == "full"
     lora = None if full else resolve_lora_targets(spec, w.lora_targets, w.method)
     targets = () if full else tuple(linear.name for linear in layer_linears(spec) if lora.adapts(linear.name))
@@ -255,10 +255,24 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
+    saved += dense_mask_bytes(w)
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
     return saved
+
+
+def attention_bytes(w: Workload) -> int:
+    """Bytes per element of attention's inputs and output: SDPA runs under autocast in 16 bits, else in
+    the projections' output dtype (the residual stream's under QLoRA, whose 4-bit linears return it)."""
+    p = w.precision
+    return p.compute_bytes if p.autocast or w.method != "qlora" else residual_bytes(w)
+
+
+def dense_mask_bytes(w: Workload) -> float:
+    """Bytes per token a decoder layer saves of packed rows' dense mask (Workload.dense_mask): SDPA
+    converts the boolean micro × s × s mask to the query's dtype and saves that copy for backward."""
+    return attention_bytes(w) * w.seq_len if w.dense_mask else 0.0
 
 
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
@@ -356,9 +370,11 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
     kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
+    if w.dense_mask:  # the boolean mask (micro × s² bytes): through the forward, and to the end of backward as an
+        kept += w.seq_len  # input of every recomputed layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
-    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
+    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * (layer - dense_mask_bytes(w))  # the mask has no gradient
     if w.strategy.fsdp and w.method != "full" and not recomputed:
         # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
         # released the last layer's saved activations (FSDPMemTracker, tests/plan/test_planner_simulate.py;

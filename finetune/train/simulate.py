@@ -69,24 +69,25 @@ class Simulation:
 def simulate(run: ResolvedRun) -> Simulation:
     """Peak tracked memory of one GPU over two accumulation micro-steps of `run` (of one rank's share,
     `one_rank`, under TP or CP). Raises FinetuneError for a run outside CHECKS."""
-    reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
-    if reason is not None:
+    w = from_run(run, gpu_catalog.get("H100"))  # the checks do not depend on the GPU
+    if (reason := cannot_simulate(w)) is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     run = one_rank(run)
     if run.strategy.fsdp:
-        return _simulate_fsdp(run)
+        return _simulate_fsdp(run, w.dense_mask)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from finetune.train import loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
+    _mask_as_the_run_builds_it(model, w.dense_mask)
     with fake_mode:
         optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
         tracker = _frozen_aware(MemTracker)()
         tracker.track_external(model, optimizer)
         with tracker:
-            _steps(run, model, optimizer, tracker)
+            _steps(run, model, optimizer, tracker, w.dense_mask)
         return _result(tracker)
 
 
@@ -141,22 +142,42 @@ def _frozen_aware(tracker_class):
     return FrozenAwareTracker
 
 
-def _steps(run: ResolvedRun, model, optimizer, tracker) -> None:
-    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision."""
+# What transformers' SDPA path runs without a mask, under a name with no mask builder (transformers then builds none)
+CAUSAL_SDPA = "finetune_causal_sdpa"
+
+
+def _mask_as_the_run_builds_it(model, dense_mask: bool) -> None:
+    """On fake tensors transformers cannot read the position ids, so it takes every row for packed and
+    builds a dense mask. Where the run builds none (full-length rows; packed rows under varlen, flex or
+    flash), the simulated SDPA runs causal without one, as the run's does (or as its kernel saves)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not dense_mask and base.config._attn_implementation == "sdpa":
+        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+        base.set_attn_implementation(CAUSAL_SDPA)
+
+
+def _steps(run: ResolvedRun, model, optimizer, tracker, dense_mask: bool = False) -> None:
+    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision.
+    `dense_mask` (packed rows under SDPA): two examples a row, whose position ids make transformers
+    build its block-diagonal mask as for a packed run."""
     import torch
 
-    spec, batch = run.spec, run.batch
-    tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, run.config.max_seq_len))
+    spec, batch, length = run.spec, run.batch, run.config.max_seq_len
+    tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, length))
+    positions = torch.cat([torch.arange(length // 2), torch.arange(length - length // 2)]).expand_as(tokens) if dense_mask else None
     autocast = torch.autocast("cpu", dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
     for _ in range(2):
         tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
         with autocast:
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = model(input_ids=tokens, labels=tokens, position_ids=positions).loss
         loss.backward()
         optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
 
-def _simulate_fsdp(run: ResolvedRun) -> Simulation:
+def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
     """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
     layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
     import torch
@@ -173,6 +194,7 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
     try:
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
         model, fake_mode = loading.build_skeleton(run)
+        _mask_as_the_run_builds_it(model, dense_mask)
         with fake_mode:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
@@ -186,7 +208,7 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
             optimizer = build_optimizer(run.config, model, run.peak_lr)
             tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
             with tracker:
-                _steps(run, model, optimizer, tracker)
+                _steps(run, model, optimizer, tracker, dense_mask)
             return _result(tracker)
     finally:
         dist.destroy_process_group()
