@@ -420,6 +420,10 @@ def unmeasured_terms(w: Workload) -> list[str]:
     if kept and (w.partial_checkpointing or w.tokens_per_micro_batch > MEASURED_KEPT_TOKENS):
         terms.append(f"activations of the {kept} decoder layers that keep theirs "
                      f"({kept_layer_activations(w) / GIB:.1f} GiB at {w.tokens_per_micro_batch:,} tokens per micro-batch)")
+    if w.dense_mask:  # each layer that keeps its activations holds its copy, a recomputed one while it runs
+        holding = kept + (w.recomputed_layers > 0)
+        mask = w.tokens_per_micro_batch * (holding * dense_mask_bytes(w) + w.seq_len)
+        terms.append(f"packed rows' attention mask under SDPA ({mask / GIB:.1f} GiB, simulated on CPU; --attention varlen builds none)")
     if w.loss == "liger":
         terms.append("Liger's fused loss (counted as holding no logits)")
     if w.loss == "finetune-chunked":

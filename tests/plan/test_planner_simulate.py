@@ -110,7 +110,7 @@ def test_packed_rows_dense_mask_is_planned_where_the_run_builds_one(tmp_path):
     every layer (and, in the plan's traffic, converts and reads again in every layer's forward). The
     planned extra over unpacked full-length rows is what two simulated micro-steps add, within 10 %;
     varlen (and flex) build no mask, and neither do unpacked rows."""
-    from finetune.plan.memory import dense_mask_bytes, layer_activation_bytes
+    from finetune.plan.memory import dense_mask_bytes, layer_activation_bytes, unmeasured_terms
     from finetune.plan.traffic import layer_forward_bytes
 
     model = shrunk_model(tmp_path / "model", "llama-7b", 2)
@@ -123,6 +123,8 @@ def test_packed_rows_dense_mask_is_planned_where_the_run_builds_one(tmp_path):
     assert layer_activation_bytes(packed) - layer_activation_bytes(plain) == 2 * 4096
     assert layer_forward_bytes(packed) - layer_forward_bytes(plain) == 4096 * (1 + 2 * 2)
     assert estimate(varlen).allocated == estimate(plain).allocated
+    mentioned = [[term for term in unmeasured_terms(w) if term.startswith("packed rows' attention mask")] for w in (packed, varlen)]
+    assert mentioned == [["packed rows' attention mask under SDPA (0.2 GiB, simulated on CPU; --attention varlen builds none)"], []]
     simulated = simulate(runs[(("packing", True),)]).peak_bytes - simulate(runs[()]).peak_bytes
     planned = estimate(packed).allocated - estimate(plain).allocated
     assert planned == pytest.approx(simulated, rel=0.10) and planned > 2 * 2 * 4096**2 * 2  # two layers' bf16 masks
