@@ -2,7 +2,7 @@
 launches them so that no row inherits another's allocator state):
 
     python bench/gpu_kit/baselines.py trl [--liger] --checkpoint DIR --data ROWS.jsonl --seq-len N
-        --micro-batch-size B --steps S [--method lora|qlora] --result RESULT.json
+        --micro-batch-size B --steps S [--method lora|qlora] [--no-gradient-checkpointing] --result RESULT.json
     python bench/gpu_kit/baselines.py peft-loop ...same flags, without --liger
 
 trl: TRL's SFTTrainer as its docs set it up (SFTConfig, peft_config=LoraConfig), with
@@ -10,7 +10,7 @@ use_liger_kernel per row. peft-loop: transformers + PEFT and a plain loop with
 torch.optim.AdamW(fused=True), what a hand-written script does. Both read finetune's own encoding
 of the same text rows (the ids its row trains on, exactly --seq-len each) and load the same
 random-init checkpoint in bf16 (NF4 under qlora): LoRA r16, alpha 32, no dropout, all linear
-layers; non-reentrant gradient checkpointing; clipping at 1.0 as finetune and Trainer do. Each
+layers; non-reentrant gradient checkpointing (unless --no-gradient-checkpointing); clipping at 1.0 as finetune and Trainer do. Each
 update is timed from its start to torch.cuda.synchronize() after the optimizer step; tokens/s is
 the median over the updates after the first, as for finetune's rows. Writes tokens_per_second,
 first_update_seconds, allocated_gib, reserved_gib (torch.cuda.max_memory_allocated/reserved) and
@@ -73,8 +73,8 @@ def base_model(checkpoint: Path, method: str):
     return model
 
 
-def sft_config(output_dir: Path, micro_batch_size: int, steps: int, seq_len: int, liger: bool):
-    """SFTConfig of the TRL rows: one micro batch per update, bf16, non-reentrant checkpointing,
+def sft_config(output_dir: Path, micro_batch_size: int, steps: int, seq_len: int, liger: bool, checkpointing: bool = True):
+    """SFTConfig of the TRL rows: one micro batch per update, bf16, non-reentrant checkpointing (or none),
     fused AdamW, rows kept whole (no packing, no padding-free flattening), nothing evaluated or
     saved; a loss logged every update (after on_step_end, outside the timed window)."""
     from trl import SFTConfig
@@ -82,7 +82,7 @@ def sft_config(output_dir: Path, micro_batch_size: int, steps: int, seq_len: int
     return SFTConfig(output_dir=str(output_dir), per_device_train_batch_size=micro_batch_size,
                      gradient_accumulation_steps=1, max_steps=steps, learning_rate=LEARNING_RATE,
                      lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch_fused",
-                     bf16=True, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                     bf16=True, gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
                      max_length=seq_len, packing=False, padding_free=False, use_liger_kernel=liger,
                      eval_strategy="no", save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
                      dataloader_num_workers=0, seed=0)
@@ -120,12 +120,13 @@ class UpdateClock(TrainerCallback):
         self.seconds.append(time.perf_counter() - self.started)
 
 
-def peft_loop(model, lr: float = LEARNING_RATE):
-    """(LoRA model, optimizer) of the bare loop: non-reentrant checkpointing, PEFT's LoRA, and one
-    fused AdamW kernel over the adapters."""
+def peft_loop(model, lr: float = LEARNING_RATE, checkpointing: bool = True):
+    """(LoRA model, optimizer) of the bare loop: non-reentrant checkpointing (or none), PEFT's LoRA,
+    and one fused AdamW kernel over the adapters."""
     from peft import get_peft_model
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, lora_config())
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
 
@@ -164,7 +165,8 @@ def summary(seconds: list[float], tokens_per_update: int, losses: list[float]) -
 def run_trl(args: argparse.Namespace) -> dict:
     """The TRL row: SFTTrainer on the rows, its updates timed by UpdateClock."""
     tokenizer = load_tokenizer(str(args.checkpoint), trust_remote_code=False)
-    config = sft_config(args.result.parent / "trl", args.micro_batch_size, args.steps, args.seq_len, args.liger)
+    config = sft_config(args.result.parent / "trl", args.micro_batch_size, args.steps, args.seq_len, args.liger,
+                        args.gradient_checkpointing)
     trainer = sft_trainer(base_model(args.checkpoint, args.method), tokenizer,
                           token_rows(tokenizer, args.data, args.seq_len), config)
     clock = UpdateClock()
@@ -177,7 +179,7 @@ def run_trl(args: argparse.Namespace) -> dict:
 def run_peft_loop(args: argparse.Namespace) -> dict:
     """The bare row: the LoRA model, fused AdamW and the plain loop, nothing else."""
     rows = token_rows(load_tokenizer(str(args.checkpoint), trust_remote_code=False), args.data, args.seq_len)
-    model, optimizer = peft_loop(base_model(args.checkpoint, args.method))
+    model, optimizer = peft_loop(base_model(args.checkpoint, args.method), checkpointing=args.gradient_checkpointing)
     seconds, losses = train_loop(model, optimizer, rows, args.micro_batch_size, args.steps)
     return summary(seconds, args.micro_batch_size * args.seq_len, losses)
 
@@ -192,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True, help="optimizer updates, at least 2 (the first is warm-up)")
     parser.add_argument("--method", default="lora", choices=("lora", "qlora"))
     parser.add_argument("--liger", action="store_true", help="SFTConfig(use_liger_kernel=True) (trl only)")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="non-reentrant checkpointing of every decoder layer (default: on)")
     parser.add_argument("--result", type=Path, required=True, help="where the measured fields go (JSON)")
     args = parser.parse_args(argv)
     if args.liger and args.program != "trl":

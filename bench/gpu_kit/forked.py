@@ -16,10 +16,12 @@ that row and the rest as subprocesses.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -29,12 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 # What every row imports and the server may import too (none of them initialises CUDA).
 PRELOAD = ["finetune.cli", "finetune.train.run", "finetune.train.loading", "transformers.models.llama.modeling_llama",
            "matplotlib.pyplot"]
+STACK_SECONDS = 10  # for a row past its time to print its stack before it is killed
 CUDA_AFTER_FORK = re.compile(r"Cannot re-initialize CUDA in forked subprocess|CUDA error: initialization error")
 
 
 class RowRunner:
-    """Runs `python ARGS` (`-m module …` or `-c code …`) with its output in `log`:
-    {"status": ok | exit N | timeout | OOM, "seconds"[, "error"]}."""
+    """Runs `python ARGS` (`-m module …`, `-c code …` or `script.py …`) with its output in `log`:
+    {"status": ok | exit N | timeout | OOM, "seconds"[, "error"]}. A row past its time first prints
+    its Python stack into `log` (faulthandler, on SIGABRT), then is killed: a hang says where it was."""
 
     def __init__(self, fork: bool = True):
         self.fork = fork
@@ -59,19 +63,30 @@ class RowRunner:
         child.start()
         child.join(max(timeout_s, 1))
         if child.is_alive():
-            child.kill()
-            child.join()
+            os.kill(child.pid, signal.SIGABRT)
+            child.join(STACK_SECONDS)
+            if child.is_alive():
+                child.kill()
+                child.join()
             return outcome("timeout", read_log(log), time.monotonic() - started)
         status = "ok" if child.exitcode == 0 else f"exit {child.exitcode}"
         return outcome(status, read_log(log), time.monotonic() - started)
 
 
 def python_in_child(python_args: list[str], log: Path) -> None:
-    """`python -m module …` or `python -c code …` in the forked child, its stdout and stderr into `log`."""
+    """`python -m module …`, `python -c code …` or `python script.py …` in the forked child, its
+    stdout and stderr into `log`, every thread's stack dumped there on SIGABRT."""
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
+    faulthandler.enable(all_threads=True)
     os.chdir(REPO)
+    if python_args[0] not in ("-m", "-c"):
+        script, *rest = python_args
+        sys.argv = [script, *rest]
+        sys.path.insert(0, str(Path(script).parent))
+        runpy.run_path(script, run_name="__main__")
+        return
     option, target, *rest = python_args
     sys.argv = [target if option == "-m" else "-c", *rest]
     if option == "-m":
@@ -81,15 +96,23 @@ def python_in_child(python_args: list[str], log: Path) -> None:
 
 
 def run_logged(command: list[str], log: Path, timeout_s: float) -> dict:
-    """Run `command` as a subprocess from the repository root, its output kept in `log`."""
+    """Run `command` as a subprocess from the repository root, its output kept in `log`; past
+    `timeout_s`, its Python stack printed (PYTHONFAULTHANDLER, on SIGABRT), then killed."""
     started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               env=os.environ | {"PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout_s, 1), cwd=REPO,
-                                env=os.environ | {"PYTHONPATH": str(REPO)})
-        output, status = result.stdout + result.stderr, "ok" if result.returncode == 0 else f"exit {result.returncode}"
-    except subprocess.TimeoutExpired as e:
-        output, status = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
-    log.write_text(output if isinstance(output, str) else output.decode(errors="replace"))
+        output = process.communicate(timeout=max(timeout_s, 1))[0]
+        status = "ok" if process.returncode == 0 else f"exit {process.returncode}"
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            output = process.communicate(timeout=STACK_SECONDS)[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output = process.communicate()[0]
+        status = "timeout"
+    log.write_text(output)
     return outcome(status, output, time.monotonic() - started)
 
 

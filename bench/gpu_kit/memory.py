@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
 import json
 import os
 import random
@@ -26,7 +27,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -108,7 +109,7 @@ def least_sure_first(rows: list[Row], gpu: str) -> list[Row]:
         w = Workload(model=catalog_model(row.model), gpu=spec, gpus_per_node=1, method=row.method, strategy="single",
                      offload="none", precision=row.precision, optimizer="adamw", micro_batch_size=row.micro_batch_size,
                      seq_len=row.seq_len, gradient_checkpointing=row.gradient_checkpointing)
-        likely = speed_range(w, tuple(CALIBRATION.matmul_efficiency))
+        likely = speed_range(w, CALIBRATION.chips)
         return likely.high / likely.low
 
     return sorted(rows, key=width, reverse=True)
@@ -141,21 +142,32 @@ def write_text_data(path: Path, seq_len: int, rows: int = DATA_ROWS) -> Path:
     return path
 
 
-def random_checkpoint(model: str, cache: Path, timeout_s: float, runner: RowRunner | None = None) -> Path:
-    """A random-init checkpoint of the catalog shape in bf16, built on the GPU in a child process
-    (this process stays without a CUDA context, so rows see the whole GPU), forked where `runner` forks."""
-    directory = cache / model
+def checkpoint_name(model: str, layers: int | None = None) -> str:
+    """A random-init checkpoint's folder: the catalog name, or `<name>-<N>-layers` for a cut to N decoder layers."""
+    return model if layers is None else f"{model}-{layers}-layers"
+
+
+def random_checkpoint(model: str, cache: Path, timeout_s: float, runner: RowRunner | None = None,
+                      layers: int | None = None) -> Path:
+    """A random-init checkpoint of the catalog shape in bf16 (with `layers`: cut to its first `layers`
+    decoder layers at full width), built on the GPU (where there is one) in a child process (this
+    process stays without a CUDA context, so rows see the whole GPU), forked where `runner` forks."""
+    directory = cache / checkpoint_name(model, layers)
     if not (directory / "config.json").is_file():
         cache.mkdir(parents=True, exist_ok=True)
-        needed = 2 * count_params(catalog_model(model)).total * 1.05
+        spec = catalog_model(model)
+        needed = 2 * count_params(replace(spec, num_layers=layers or spec.num_layers)).total * 1.05
         if shutil.disk_usage(cache).free < needed:
-            raise OSError(f"{needed / 2**30:.0f} GiB of disk needed for the random-init {model} in {cache}")
-        code = ("import sys, torch; from pathlib import Path; from finetune.train.loading import materialize_random_init; "
-                "from finetune.models.catalog import get; "
-                "materialize_random_init(get(sys.argv[1]), Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, device='cuda')")
-        written = (runner or RowRunner(fork=False)).run(["-c", code, model, str(directory)], cache / f"{model}.log", timeout_s)
+            raise OSError(f"{needed / 2**30:.0f} GiB of disk needed for the random-init {directory.name} in {cache}")
+        code = ("import sys, torch; from dataclasses import replace; from pathlib import Path; "
+                "from finetune.train.loading import materialize_random_init; from finetune.models.catalog import get; "
+                "spec = get(sys.argv[1]); spec = replace(spec, num_layers=int(sys.argv[3])) if sys.argv[3] else spec; "
+                "materialize_random_init(spec, Path(sys.argv[2]), seed=0, dtype=torch.bfloat16, "
+                "device='cuda' if torch.cuda.is_available() else 'cpu')")
+        written = (runner or RowRunner(fork=False)).run(["-c", code, model, str(directory), str(layers or "")],
+                                                        cache / f"{directory.name}.log", timeout_s)
         if written["status"] != "ok":
-            raise OSError(f"writing the random-init {model} ended with {written['status']}: {written.get('error', '')}")
+            raise OSError(f"writing the random-init {directory.name} ended with {written['status']}: {written.get('error', '')}")
     return directory
 
 
@@ -302,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", help="catalog GPU to predict for (default: GPU 0; a dry run without one: H200)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--rows", help="only rows whose label matches one of these globs, comma-separated (labels: "
+                        "MODEL-METHOD-sSEQ-bMICRO-ckpt|no-ckpt, e.g. 'qwen2.5-7b-*' or '*-qlora-s2048-*')")
     parser.add_argument("--limit", type=int, help="only the first N rows of the grid")
     parser.add_argument("--no-fork", action="store_true",
                         help="each row as its own `python -m finetune` (as users run it) instead of forked from a preloaded server")
@@ -309,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run and args.gpu is None:
         args.gpu = "H200"  # the GPU lent now; the H100's rows of 2026-11-25 stay in finetune/plan/calibration/measured/
     gpu, capacity, device = device_description(args.gpu)
-    rows = least_sure_first(grid(args.models.split(","), args.methods.split(",")), gpu)[: args.limit]
+    rows = [row for row in least_sure_first(grid(args.models.split(","), args.methods.split(",")), gpu)
+            if args.rows is None or any(fnmatch.fnmatchcase(row.label, glob) for glob in args.rows.split(","))][: args.limit]
+    if not rows:
+        parser.error(f"--rows {args.rows!r} matches no row of the grid")
     work = args.work or DEFAULT_WORK
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{len(rows)} rows on {device}", flush=True)

@@ -1,4 +1,4 @@
-"""Where a micro-batch's time goes, term by term, beside the speed model's terms (issue 30).
+"""Where a micro-batch's time goes, term by term, beside the speed model's terms.
 
     python bench/gpu_kit/speed_terms.py --out DIR [--deadline EPOCH_SECONDS]   # on the GPU (bench/gpu_kit/run.sh)
     python bench/gpu_kit/speed_terms.py --dry-run [--gpu H200]                 # the cases and their planned terms
@@ -6,7 +6,7 @@
 The speed model (finetune/plan/speed.py) plans a micro-batch from the host's issue time per decoder
 layer and the GPU's time by term: matmul FLOPs, attention, memory-bound bytes, a cost per kernel.
 It is fitted to whole runs, so a miss does not say which term it comes from: Qwen2.5 runs ran
-1.7–2.2× slower than planned where a Llama-3.2-3B run ran 1.1× (issue 30). This script measures the
+1.7–2.2× slower than planned where a Llama-3.2-3B run ran 1.1×. This script measures the
 terms one by one. Each case trains, with the trainer's own pieces (as defaults.py), a 2-layer and a
 4-layer cut of a full-width shape: half their difference is one decoder layer; what the 2-layer cut
 spends beyond two layers is the rest (embedding, LM head and loss over the vocabulary). For each it
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
 import json
 import re
 import statistics
@@ -65,7 +66,7 @@ from finetune.train.dry_run import device_of  # noqa: E402
 from finetune.train.optim import build_optimizer  # noqa: E402
 from finetune.train.run import this_device  # noqa: E402
 
-# shape:method:seq:micro batch[:ckpt] — the held-out shapes of issue 30, then two measured anchors
+# shape:method:seq:micro batch[:ckpt] — the shapes the speed model planned worst, then two measured anchors
 CASES = ("qwen2.5-1.5b:lora:2048:1", "qwen2.5-1.5b:full:2048:1", "llama-3.2-3b:lora:1024:1", "qwen2.5-7b:qlora:2048:2",
          "llama-3.2-1b:lora:512:1", "mistral-7b:lora:4096:2:ckpt")
 CUTS = (2, 4)  # decoder layers of the two cuts: half their difference is one layer
@@ -233,6 +234,18 @@ def run_all(args: argparse.Namespace, gpu, header: str) -> list[dict]:
     return results
 
 
+def chosen_cases(text: str) -> list[str]:
+    """--cases as case specs: a glob (`*`, `?`, `[`) stands for the default cases it matches, in their
+    order; each case once. Raises ValueError for a glob that matches none."""
+    chosen = []
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        found = [case for case in CASES if fnmatch.fnmatchcase(case, word)] if any(c in word for c in "*?[") else [word]
+        if not found:
+            raise ValueError(f"{word!r} matches no default case")
+        chosen += [case for case in found if case not in chosen]
+    return chosen
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("output") / "gpu-kit", help="where speed_terms.md and .csv go")
@@ -241,15 +254,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, help=f"epoch seconds: no case starts less than {MIN_CASE_SECONDS} s before")
     parser.add_argument("--dry-run", action="store_true", help="list the cases with their planned terms, run nothing")
     parser.add_argument("--gpu", help="catalog GPU the plan column is for (default: GPU 0; on CPU, H200)")
-    parser.add_argument("--cases", default=",".join(CASES), help="shape:method:seq:micro batch[:ckpt], comma-separated")
+    parser.add_argument("--cases", default=",".join(CASES), help="shape:method:seq:micro batch[:ckpt], or globs over the "
+                        f"default cases (e.g. 'qwen2.5-*', '*:lora:*'), comma-separated, run in that order: {', '.join(CASES)}")
     parser.add_argument("--warmup", type=int, default=2, help="micro-batches before timing")
     parser.add_argument("--steps", type=int, default=5, help="timed micro-batches (the median counts)")
     parser.add_argument("--profiled", type=int, default=2, help="micro-batches under torch.profiler (CUDA only)")
     args = parser.parse_args(argv)
     try:
-        args.cases = tuple(Case.parse(text) for text in args.cases.split(","))
-    except ValueError:
-        parser.error(f"--cases: each is shape:method:seq:micro batch[:ckpt], got {args.cases!r}")
+        args.cases = tuple(Case.parse(text) for text in chosen_cases(args.cases))
+    except ValueError as e:
+        parser.error(f"--cases: each is shape:method:seq:micro batch[:ckpt] or a glob over the default cases, got {args.cases!r}"
+                     + (f" ({e})" if "matches" in str(e) else ""))
     if min(args.steps, args.profiled) < 1:
         parser.error("--steps and --profiled must be at least 1")
     return args

@@ -1,16 +1,18 @@
-"""The wheels the GPU device image lacks, small enough to travel with the working tree.
+"""The wheels a GPU machine without network needs for the kit, small enough to travel with the working tree.
 
-    python bench/gpu_kit/wheels.py download      # on the CPU machine, online (bench/gpu_kit/wheels.sh)
+    python bench/gpu_kit/wheels.py download      # where there is network (bench/gpu_kit/wheels.sh)
     python bench/gpu_kit/wheels.py budget        # what will travel: tree + wheels against 64 MiB
-    python bench/gpu_kit/wheels.py install       # on the device, offline (bench/gpu_kit/run.sh)
+    python bench/gpu_kit/wheels.py install       # on the GPU machine, offline (bench/gpu_kit/run.sh)
 
-The device image (Python 3.12, torch 2.11 + CUDA 13, accelerate 1.15, transformers 5.17, peft,
-safetensors, tokenizers, pyyaml, tqdm, matplotlib, pytest) has no datasets, bitsandbytes,
-deepspeed, trl or liger-kernel, and only the working tree plus ≤ 8 ignored paths travel: 64 MiB in
-all. As published the missing wheels weigh ~120 MB (pyarrow 55, bitsandbytes 43, pandas 12,
-deepspeed and the small ones 10), so three are slimmed by dropping files that training never loads: pyarrow's Flight RPC,
-S3 filesystem, C++ headers, Cython sources and tests; pandas' tests; bitsandbytes' kernels for
-CUDA 11.8-12.8, ROCm and XPU (the CUDA 13 and CPU libraries stay). Nothing else is dropped.
+They are for a machine that has Python 3.12, torch with CUDA, accelerate, transformers, peft,
+safetensors, tokenizers, pyyaml, tqdm, matplotlib and pytest (the lent H100/H200 images: torch 2.11 +
+CUDA 13, accelerate 1.15, transformers 5.17) but no datasets, bitsandbytes, deepspeed, trl or
+liger-kernel. Where the transfer is capped (those machines take the working tree plus 8 ignored paths,
+64 MiB in all) the published ~120 MB (pyarrow 55, bitsandbytes 43, pandas 12, deepspeed and the small
+ones 10) is too much, so three are slimmed by dropping files that training never loads: pyarrow's
+Flight RPC, S3 filesystem, C++ headers, Cython sources and tests; pandas' tests; bitsandbytes' kernels
+for CUDA 11.8-12.8, ROCm and XPU (the CUDA 13 and CPU libraries stay). Nothing else is dropped.
+`install` installs each wheel whose distribution the machine lacks and keeps what it has.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS_DIR = REPO / "bench/gpu_kit/wheels"
-BUDGET_BYTES = 64 * 2**20  # what the device run carries: working tree + ignored paths
-PYTHON = "3.12"  # the device image's
+BUDGET_BYTES = 64 * 2**20  # what a lent machine's command carries: working tree + ignored paths
+PYTHON = "3.12"  # the lent GPU images'
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "linux_x86_64", "any")
 
@@ -62,7 +64,7 @@ WHEELS = (
     Wheel("bitsandbytes==0.50.2", "QLoRA's 4-bit kernels", drop=(
         "bitsandbytes/libbitsandbytes_cuda11*", "bitsandbytes/libbitsandbytes_cuda12*",
         "bitsandbytes/libbitsandbytes_rocm*", "bitsandbytes/libbitsandbytes_xpu*")),
-    # ZeRO; PyPI has only DeepSpeed's source, built here into a pure-Python wheel (ops JIT-compile on the device)
+    # ZeRO; PyPI has only DeepSpeed's source, built here into a pure-Python wheel (ops JIT-compile on the GPU machine)
     Wheel("deepspeed==0.19.8", "ZeRO strategies"),
     Wheel("hjson==3.1.0", "deepspeed"),
     Wheel("msgpack==1.1.1", "deepspeed"),
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("download", "budget", "install"))
     parser.add_argument("--dest", type=Path, default=WHEELS_DIR, help="the wheels folder (default bench/gpu_kit/wheels)")
-    parser.add_argument("--python", default=PYTHON, help="target Python of download (default: the device's 3.12)")
+    parser.add_argument("--python", default=PYTHON, help="target Python of download (default: the lent GPU images' 3.12)")
     args = parser.parse_args(argv)
     if args.action == "install":
         names = install(args.dest)

@@ -63,6 +63,9 @@ class ModelSpec:
     v_head_dim: int = 0
     tower_params: int = 0  # parameters outside the language model: Gemma 3's vision tower and projector
     quantized: str | None = None  # the published weights' quantization ("mxfp4": gpt-oss), loaded dequantized
+    # Every layer attends only to this many earlier tokens (Mistral-7B v0.1): transformers then hands SDPA
+    # an explicit mask once a row is that long, which rules out the flash kernel (plan/speed.py)
+    sliding_window: int | None = None
 
     @property
     def moe(self) -> bool:
@@ -86,6 +89,11 @@ class ModelSpec:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def masks_attention(self, seq_len: int) -> bool:
+        """Whether transformers passes SDPA an explicit mask for rows of `seq_len` tokens: a sliding
+        window no longer than the row (its masking_utils skip the mask only for shorter rows)."""
+        return self.sliding_window is not None and seq_len >= self.sliding_window
 
     def to_hf_config_dict(self) -> dict:
         """The config.json fields transformers needs to build this architecture (Gemma 3: the
@@ -180,7 +188,7 @@ _CATALOG: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="mistral-7b", hf_id="mistralai/Mistral-7B-v0.1", model_type="mistral", num_layers=32,
         hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000,
-        tie_word_embeddings=False, max_position_embeddings=32768,
+        tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=4096,
         source="mistralai/Mistral-7B-v0.1/config.json",
     ),
     ModelSpec(

@@ -67,6 +67,10 @@ class Family:
     # (its v4 → v5 renaming for Qwen2-MoE-like families): LoRA reaches them through their weight instead
     peft_renames: tuple[str, ...] = ()
     chunked_loss: bool = False  # head is a bare linear on the last hidden state, checked in tests/train/test_chunked_loss.py
+    # every layer attends within config.json's sliding_window (None: unlimited), which defaults to this
+    # when the file has no such key (transformers' config class default)
+    sliding: bool = False
+    sliding_default: int | None = None
     gguf_writer: bool = False  # finetune's own GGUF writer (export/gguf.py) writes it
     llama_cpp: str | None = None  # llama.cpp's architecture (convert_hf_to_gguf.py knows it)
 
@@ -85,7 +89,8 @@ RENAMED = ("gate_proj", "up_proj", "down_proj")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaDecoderLayer", chunked_loss=True, gguf_writer=True, llama_cpp="llama"),
-    Family("mistral", "MistralDecoderLayer", attention_bias="none", chunked_loss=True, gguf_writer=True, llama_cpp="llama"),
+    Family("mistral", "MistralDecoderLayer", attention_bias="none", chunked_loss=True, gguf_writer=True, llama_cpp="llama",
+           sliding=True, sliding_default=4096),
     Family("qwen2", "Qwen2DecoderLayer", attention_bias="qkv", chunked_loss=True, llama_cpp="qwen2"),
     Family("qwen3", "Qwen3DecoderLayer", qk_norm="head", chunked_loss=True, llama_cpp="qwen3"),
     Family("gemma", "GemmaDecoderLayer", tied=True, llama_cpp="gemma"),
@@ -97,7 +102,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo", "OlmoDecoderLayer", norm_weights=False, llama_cpp="olmo"),
     Family("olmo2", "Olmo2DecoderLayer", qk_norm="width", llama_cpp="olmo2"),
     Family("granite", "GraniteDecoderLayer", llama_cpp="granite"),
-    Family("mixtral", "MixtralDecoderLayer", mlp=(), attention_bias="none", chunked_loss=True, llama_cpp="llama",
+    Family("mixtral", "MixtralDecoderLayer", mlp=(), attention_bias="none", chunked_loss=True, llama_cpp="llama", sliding=True,
            experts=Experts("num_local_experts", "intermediate_size", "MixtralSparseMoeBlock")),
     Family("qwen2_moe", "Qwen2MoeDecoderLayer", attention_bias="qkv", chunked_loss=True, llama_cpp="qwen2moe",
            experts=Experts("num_experts", "moe_intermediate_size", "Qwen2MoeSparseMoeBlock",
@@ -206,6 +211,8 @@ def config_fields(spec: dict) -> dict:
     (`spec`: its fields as a dict), beyond the ones every family shares."""
     fam = get(spec["model_type"], spec["name"])
     config = {"attention_bias": spec["attention_bias"]} if fam.attention_bias == "config" else {}
+    if fam.sliding:
+        config["sliding_window"] = spec["sliding_window"]
     if fam.experts is not None:
         experts = fam.experts
         config |= {experts.count: spec["num_experts"], "num_experts_per_tok": spec["experts_per_token"],

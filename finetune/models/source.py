@@ -169,6 +169,7 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
             norms_per_layer=fam.norms_per_layer, **families.bias_fields(text, fam), **families.moe_fields(text, fam),
             **(families.mla_fields(text) if fam.mla else {}), tower_params=families.tower_params(config, text["hidden_size"]),
             quantized=(config.get("quantization_config") or {}).get("quant_method"), source=f"{name} (config.json)",
+            sliding_window=text.get("sliding_window", fam.sliding_default) if fam.sliding else None,
         )
     except KeyError as e:
         raise FinetuneError(f"{name}: config.json lacks {e.args[0]!r}, which the planner needs.") from e

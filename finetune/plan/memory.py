@@ -259,7 +259,17 @@ def layer_activation_bytes(w: Workload) -> float:
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
-    return saved
+    return saved - liger_layer_savings(w, h, inter, residual, out)
+
+
+def liger_layer_savings(w: Workload, h: int, inter: int, residual: int, out: int) -> float:
+    """Bytes per token Liger's fused layer kernels (--liger) save for backward below transformers' own:
+    its RMSNorm keeps the input in the residual stream's dtype and one fp32 scale per token instead of
+    an fp32 copy, and its SwiGLU recomputes the activation from gate and up instead of keeping it."""
+    if w.loss != "liger":
+        return 0.0
+    norms = w.model.norms_per_layer * (h * (4 - residual) - 4) if not w.model.norm_bias else 0
+    return norms + (out * inter if w.model.mlp_gated else 0)
 
 
 def attention_bytes(w: Workload) -> int:
@@ -270,9 +280,10 @@ def attention_bytes(w: Workload) -> int:
 
 
 def dense_mask_bytes(w: Workload) -> float:
-    """Bytes per token a decoder layer saves of packed rows' dense mask (Workload.dense_mask): SDPA
-    converts the boolean micro × s × s mask to the query's dtype and saves that copy for backward."""
-    return attention_bytes(w) * w.seq_len if w.dense_mask else 0.0
+    """Bytes per token a decoder layer saves of the explicit mask SDPA gets (Workload.masked_sdpa: packed
+    rows, or a sliding window no longer than the row): SDPA converts the boolean micro × s × s mask
+    to the query's dtype and saves that copy for backward."""
+    return attention_bytes(w) * w.seq_len if w.masked_sdpa else 0.0
 
 
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
@@ -370,7 +381,7 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
     kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
-    if w.dense_mask:  # the boolean mask (micro × s² bytes): through the forward, and to the end of backward as an
+    if w.masked_sdpa:  # the boolean mask (micro × s² bytes): through the forward, and to the end of backward as an
         kept += w.seq_len  # input of every recomputed layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers

@@ -3,13 +3,17 @@ communication that compute cannot hide, plus offload copies and the host optimiz
 
 One GPU's time per micro-batch combines two clocks that run side by side:
 - the host issuing kernels (eager PyTorch: Python and launch overhead per decoder layer, per
-  PEFT-adapted linear and per bitsandbytes dequantization; regional compilation shrinks it), and
-- the GPU executing them, a sum of terms that carry from one GPU to another:
-  matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for its chip (an A100 reaches
-  a larger fraction than an H100), attention FLOPs by kernel, head size and sequence length,
+  PEFT-adapted linear, per bitsandbytes dequantization and per chunk of the chunked loss; regional
+  compilation shrinks it), and
+- the GPU executing them, a sum of terms that carry from one GPU to another (`gpu_terms`): dense
+  matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for each GPU measured; a
+  mixture of experts' grouped matmuls, slower the fewer tokens each expert gets; attention FLOPs by
+  kernel (flash at a fitted share of the matmul rate per chip; SDPA's kernel for an explicit mask, as
+  a sliding window makes transformers pass, over every score; eager), head size and sequence length;
   memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
-  loss over the vocabulary, 4-bit dequantization) at the fitted fraction of the GPU's datasheet
-  memory bandwidth, and a fixed GPU time per kernel launched (launch and tail).
+  loss over the vocabulary, 4-bit dequantization, context parallelism's merges) at the fitted
+  fraction of the GPU's datasheet memory bandwidth; and a fixed GPU time per kernel launched
+  (launch and tail). `kernel_classes` regroups them as a profiler sorts kernels.
 Small shapes are bound by the host (a 1B LoRA at seq 512 spends about the same time per update on
 an H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The two overlap
 only in part: within a layer the host runs ahead while a large matmul executes and the GPU idles
@@ -17,17 +21,18 @@ through a run of small kernels, so a micro-batch takes more than the larger cloc
 the two are close: (Hᵖ + Gᵖ)^(1/p), with the exponent p fitted (p → ∞ is perfect overlap, p = 1 none).
 The optimizer step follows, memory-bound.
 The coefficients in `CALIBRATION` are fitted by bench/speed_fit.py to finetune's runs committed in
-plan/calibration/measured/*.csv and to published runs of another trainer (plan/calibration/speed_*.csv,
-fitted on the GPU clock only: its host is not ours). A chip without measurements takes the measured
-chips' matmul efficiency; every estimate carries the range cross-validation supports
-(plan/speed_range.py).
+plan/calibration/measured/*.csv, the GPU kit's per-layer profile (plan/calibration/speed_terms_h200.csv)
+and published runs of other trainers (plan/calibration/speed_*.csv, fitted on the GPU clock only: their
+host is not ours). A GPU without measurements takes its chip's measured GPUs' matmul efficiency, or
+every measured GPU's; every estimate carries the range cross-validation supports (plan/speed_range.py).
 
 Communication is counted collective by collective (an α–β model): each collective moves a known
 number of bytes per rank over the link (ring algorithms send (n−1)/n of the buffer per all-gather
 or reduce-scatter, twice that per all-reduce) and pays a fixed latency per launch. What it can hide
 under depends on when the strategy issues it: DDP's bucketed all-reduce runs during the last
 micro-batch's backward, FSDP2/ZeRO-3 prefetch all-gathers during each forward and backward, and
-ZeRO-1/2 gather the updated weights after the optimizer step, where nothing hides them.
+ZeRO-1/2 gather the updated weights after the optimizer step, where nothing hides them, and context
+parallelism's ring passes keys and values while each hop's attention computes.
 `finetune scaling` measures tokens/s on 1, 2, … processes and times the gradient all-reduce to
 check this model.
 """
@@ -38,11 +43,22 @@ import math
 from dataclasses import dataclass
 
 from finetune.config.switches import chunk_tokens
-from finetune.plan import params
+from finetune.plan import gpus, params
+from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import DS_BUCKET_ELEMENTS, fp8_linears, fp8_params, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
 from finetune.plan.speed_range import SpeedRange, speed_range
-from finetune.plan.traffic import DEQUANT_KERNELS, dequantizations, dequantized_bytes, kernel_launches, layer_kernels, traffic
+from finetune.plan.traffic import (
+    DEQUANT_KERNELS,
+    adapter_matmul_bytes,
+    attention_kernels,
+    dequantizations,
+    dequantized_bytes,
+    kernel_launches,
+    layer_kernels,
+    matmul_kernels,
+    traffic,
+)
 from finetune.plan.workload import Workload
 
 
@@ -53,30 +69,52 @@ class Calibration:
     layer_issue_s: float  # host time to issue one decoder layer's forward + backward in eager transformers
     adapter_issue_s: float  # the same per PEFT LoRA linear (dropout, A, B, scale, add and their backward)
     dequant_issue_s: float  # per bitsandbytes 4-bit linear per dequantization (forward, backward, recompute)
-    matmul_efficiency: dict[str, float]  # per chip: achieved fraction of the dense bf16 peak in matmuls
+    matmul_efficiency: dict[str, float]  # per GPU measured (catalog name): achieved fraction of its dense bf16 peak in matmuls
+    attention_speed: dict[str, float]  # per chip: flash attention's FLOP rate ÷ the GPU's matmul rate (head size ≥ 128)
+    masked_attention_speed: float  # SDPA's kernel for an explicit mask (every score computed) ÷ the matmul rate
     memory_efficiency: float  # achieved fraction of the datasheet bandwidth in the memory-bound kernels
     kernel_gpu_s: float  # GPU time per kernel launched that neither its FLOPs nor its bytes explain
-    attention_speed: float  # flash attention's FLOP rate ÷ the matmuls' (head size ≥ 128)
+    expert_tokens_half: float  # tokens per expert at which a grouped expert matmul runs at half the matmul rate
     overlap_exponent: float  # p in (Hᵖ + Gᵖ)^(1/p): how far the host's and the GPU's clocks overlap
 
-    def efficiency(self, chip: str) -> float:
-        """The chip's fitted matmul efficiency; an unmeasured chip takes the measured chips' geometric mean."""
-        if chip in self.matmul_efficiency:
-            return self.matmul_efficiency[chip]
-        values = list(self.matmul_efficiency.values())
-        return math.exp(sum(math.log(v) for v in values) / len(values))
+    def efficiency(self, gpu: GPUSpec) -> float:
+        """The GPU's fitted matmul efficiency (a card given by its memory: that of the card it is planned
+        like); a GPU never measured takes the geometric mean of the measured GPUs of its chip, or of every
+        measured GPU when its chip is new."""
+        for name in (gpu.name, gpu.speed_of):
+            if name in self.matmul_efficiency:
+                return self.matmul_efficiency[name]
+        peers = [v for name, v in self.matmul_efficiency.items() if gpus.GPUS[name].chip == gpu.chip]
+        return geometric_mean(peers or list(self.matmul_efficiency.values()))
+
+    def attention(self, chip: str) -> float:
+        """The chip's flash attention speed; a chip never measured takes the measured chips' geometric mean."""
+        return self.attention_speed.get(chip) or geometric_mean(list(self.attention_speed.values()))
+
+    @property
+    def chips(self) -> tuple[str, ...]:
+        """The chips of the GPUs measured (plan/speed_range.py's basis)."""
+        return tuple(dict.fromkeys(gpus.GPUS[name].chip for name in self.matmul_efficiency))
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 # Fitted by `python bench/speed_fit.py --fit` (bench/RESULTS.md, *Speed model*) to finetune's runs on
-# one H100 80GB (plan/calibration/measured/h100-2026-11-25.csv: torch 2.11 + CUDA 13, transformers 5.17,
-# peft 0.21, eager, SDPA) and LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at 1k–32k tokens
-# (plan/calibration/speed_llamafactory_a100_40gb.csv, GPU clock only): 9 coefficients for 16 numbers
-# (14 rows, 2 Liger ratios), each with a weak prior; the A100 efficiency sits near the 0.95 ceiling the
-# fit allows. Its out-of-sample errors are in bench/RESULTS.md (*Speed model*).
+# one H100 80GB and one H200 (plan/calibration/measured/*.csv: torch 2.11 + CUDA 13, transformers 5.17,
+# peft 0.21, eager, SDPA), the GPU kit's profile of the H200's decoder layers by kernel class
+# (plan/calibration/speed_terms_h200.csv), LLaMA-Factory's Llama-2-7B QLoRA runs on one A100 40GB at
+# 1k–32k tokens and four published 8-GPU runs (prime-rl's Qwen3-30B-A3B, torchtitan's Llama-3.1-8B with
+# and without CP; plan/calibration/speed_*.csv, GPU clock only): 13 coefficients, each with a weak prior.
+# The H200 runs its matmuls at a smaller share of the same peak than the H100 measured (the same TRL
+# step took 7–13 % longer there), so each GPU measured has its own matmul efficiency. Its out-of-sample
+# errors are in bench/RESULTS.md (*Speed model*).
 CALIBRATION = Calibration(
-    layer_issue_s=5.929e-03, adapter_issue_s=3.917e-04, dequant_issue_s=4.411e-04,
-    matmul_efficiency={"A100": 0.950, "H100": 0.823}, memory_efficiency=0.803,
-    kernel_gpu_s=1.147e-05, attention_speed=0.778, overlap_exponent=3.31,
+    layer_issue_s=4.629e-03, adapter_issue_s=5.924e-04, dequant_issue_s=4.350e-04,
+    matmul_efficiency={"A100-40GB": 0.854, "H100-80GB": 0.872, "H200": 0.729},
+    attention_speed={"A100": 1.000, "H100": 0.359}, masked_attention_speed=0.473,
+    memory_efficiency=0.683, kernel_gpu_s=2.191e-06, expert_tokens_half=2516, overlap_exponent=3.03,
 )
 # The host's time to issue one decoder layer of each model code, relative to Llama's (whose runs,
 # with Mistral's, the fit rests on): Python and dispatcher work, the same on any host, measured by
@@ -88,9 +126,13 @@ LAYER_ISSUE_RELATIVE = {"llama": 1.0, "mistral": 1.01, "qwen2": 1.04, "qwen3": 1
 # Of the host's issue time, the forward's share (a bare PEFT loop at 1B LoRA s512 on the H100:
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
-# Kernels the chunked loss launches per chunk: the head's matmul, the fp32 softmax passes, the
-# gradient's scatter and cast, the two gradient matmuls (train/chunked_loss.py).
-CHUNK_KERNELS = 18
+# The host's time to issue one chunk of the chunked loss (train/chunked_loss.py: the head's matmul,
+# the fp32 softmax passes, the gradient's scatter and cast, the gradient matmuls: ~17 plain tensor
+# calls, no modules, hooks or autograd nodes), relative to a Llama decoder layer's forward + backward:
+# measured on this CPU's width-64 cuts by `python bench/layer_issue.py` (bench/RESULTS.md, *Layer issue
+# by model code*: 0.013 and 0.017 in two runs). The old count, 18 kernels at a layer's cost per kernel,
+# made a chunk 0.16 of a layer.
+LOSS_CHUNK_ISSUE_RELATIVE = 0.015
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
 SMALL_HEAD_ATTENTION = 0.85
@@ -98,6 +140,12 @@ SMALL_HEAD_ATTENTION = 0.85
 # Python of each layer; the issue time of a compiled layer as a fraction of eager. NOT MEASURED:
 # an assumption until a compiled run is committed, so such plans are marked extrapolated.
 COMPILED_ISSUE = 0.35
+# torch's foreach AdamW (its default on CUDA; FSDP2 steps with it) makes eight passes over parameter-sized
+# tensors (the weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) where the fused kernel makes
+# one. Measured on the H200 (bench/gpu_kit/defaults.py, 2-layer cuts of full fine-tuning): foreach took
+# 7.8 and 16.2 ms longer per update than fused over 0.70 and 1.49 B fp32 parameters, 36–37 bytes per
+# parameter at the fitted bandwidth: 9 state-sized tensors (its scratch, model_states' step_scratch, is one).
+FOREACH_EXTRA_PASSES = 9
 # --fp8 (train/fp8.py) casts each operand of its float8 matmuls (a base linear's input forward, its
 # output's gradient backward): kernels per cast (the absolute maximum, the scale and its inverse, the
 # product, the cast) and bytes moved per 16-bit element (read for the maximum, read and written as the
@@ -130,6 +178,7 @@ LAST_BACKWARD = "last backward"  # the backward of the update's last micro-batch
 EACH_BACKWARD = "each backward"  # the backward of every micro-batch (ZeRO-2's partitioned gradients)
 EACH_MICRO_BATCH = "each micro-batch"  # forward and backward of every micro-batch (FSDP2/ZeRO-3 prefetch)
 NOTHING = "nothing"  # after the optimizer step (ZeRO-1/2 gather the updated weights)
+EACH_ATTENTION = "each attention"  # the attention of every micro-batch (CP's ring: the next block waits for its keys)
 
 
 @dataclass(frozen=True)
@@ -262,9 +311,10 @@ def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
     TP: every decoder layer all-reduces its attention output and its MLP output in the forward, the
     gradients of their inputs in the backward, and again for each forward checkpointing recomputes;
     each all-reduce moves a micro-batch's hidden states (compute dtype), and the LM head all-gathers
-    the logits. They sit between a layer's matmuls, so nothing hides them. CP: every layer passes its
-    keys and values round the ring (cp − 1 hops) in the forward, and keys, values and their
-    gradients in the backward, while the attention of the chunk in hand computes.
+    the logits. They sit between a layer's matmuls, so nothing hides them. CP, as torch's ring
+    attention runs it: every layer all-gathers the keys and values of the other cp − 1 ranks in the
+    forward (again in a recomputed forward) and in the backward, and passes each hop's key and value
+    gradients on in fp32 (cp sends); all while attention computes (the next block waits for them).
     """
     spec, e, micro = w.model, w.precision.compute_bytes, w.gradient_accumulation_steps
     items = []
@@ -278,8 +328,11 @@ def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
                                 reduced + logits, launches))
     if w.cp > 1:
         kv = 2 * spec.num_kv_heads * spec.resolved_head_dim * w.tokens_per_micro_batch / w.cp * e
-        hops = (w.cp - 1) * spec.num_layers * micro
-        items.append(Collective("pass keys and values round the ring (CP)", 3 * hops * kv, 3 * hops, EACH_MICRO_BATCH))
+        gathers = 2 + w.recompute_share  # forward, recomputed forward, backward
+        per_layer = (w.cp - 1) * gathers * kv + w.cp * 2 * kv  # the gradients' sends in fp32: twice kv's bytes
+        launches = micro * round(spec.num_layers * (gathers + w.cp))
+        items.append(Collective("pass keys and values round the ring (CP)", micro * spec.num_layers * per_layer,
+                                launches, EACH_ATTENTION))
     return tuple(items)
 
 
@@ -299,10 +352,12 @@ def link(w: Workload) -> tuple[float, float]:
 
 
 def exposed_seconds(items: tuple[Collective, ...], gb_per_s: float, latency_s: float,
-                    forward_s: float, backward_s: float, micro_batches: int) -> float:
-    """Communication time per update that compute does not hide, window by window."""
+                    forward_s: float, backward_s: float, micro_batches: int, attention_s: float = 0.0) -> float:
+    """Communication time per update that compute does not hide, window by window (`attention_s`:
+    one micro-batch's attention, what CP's ring hides under)."""
     windows = {LAST_BACKWARD: backward_s, EACH_BACKWARD: micro_batches * backward_s,
-               EACH_MICRO_BATCH: micro_batches * (forward_s + backward_s), NOTHING: 0.0}
+               EACH_MICRO_BATCH: micro_batches * (forward_s + backward_s), EACH_ATTENTION: micro_batches * attention_s,
+               NOTHING: 0.0}
     exposed = 0.0
     for window, compute in windows.items():
         inside = [c for c in items if c.hides_under == window]
@@ -335,28 +390,36 @@ def dequantization_seconds(w: Workload, c: Calibration = CALIBRATION) -> tuple[f
 
 
 def loss_issue_seconds(w: Workload, c: Calibration) -> float:
-    """Host time of the chunked loss's Python loop: CHUNK_KERNELS per chunk of tokens, a chunk the
-    fewer tokens the larger the vocabulary (config.switches.chunk_tokens), each kernel at a decoder layer's
-    issue time per kernel. The model's own loss and Liger's are a few kernels per micro-batch."""
+    """Host time of the chunked loss's Python loop: per chunk of tokens (the fewer tokens the larger the
+    vocabulary, config.switches.chunk_tokens) LOSS_CHUNK_ISSUE_RELATIVE of a Llama layer's issue time.
+    The model's own loss and Liger's are a few kernels per micro-batch."""
     if w.loss != "finetune-chunked":
         return 0.0
     chunks = math.ceil(w.tokens_per_micro_batch / chunk_tokens(w.model.vocab_size))
-    return chunks * CHUNK_KERNELS * c.layer_issue_s / layer_kernels(w.model)
+    return chunks * LOSS_CHUNK_ISSUE_RELATIVE * c.layer_issue_s
 
 
 def gpu_terms(w: Workload, c: Calibration) -> dict[str, float]:
-    """GPU seconds of one micro-batch by term: matmul FLOPs at the chip's fitted share of its peak,
-    attention FLOPs by kernel and head size, memory-bound bytes at the fitted share of its
-    bandwidth, and a fixed time per kernel launched (bench/gpu_kit/speed_terms.py measures each)."""
-    tokens = w.tokens_per_micro_batch
-    rate = w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu.chip) * (FP32_SPEED if w.precision.fp32 else 1.0)
+    """GPU seconds of one micro-batch by term: the dense matmuls' FLOPs at the GPU's fitted share of
+    its peak, a mixture of experts' grouped matmuls slower the fewer tokens each expert gets, attention
+    by kernel, head size and sequence length, memory-bound bytes at the fitted share of the bandwidth,
+    and a fixed time per kernel launched (bench/gpu_kit/speed_terms.py measures each)."""
+    tokens, rate = w.tokens_per_micro_batch, matmul_rate(w, c)
     forward, backward = training_flops(w)
     attention = attention_flops(w) * (3 + w.recompute_share)  # forward, backward twice, recompute
-    matmul = forward + backward - attention - fp8_flops(w)
-    terms = {"matmul": tokens * matmul / rate, "attention": tokens * attention / (rate * attention_speed(w, c)),
+    experts, extra = expert_flops(w)
+    terms = {"matmul": tokens * (forward + backward - attention - experts - fp8_flops(w)) / rate,
+             "attention": tokens * attention * attention_cost(w, c) / rate,
              "memory-bound": traffic(w).bytes(tokens) / (memory_bytes_per_s(w) * c.memory_efficiency),
              "kernel launches": kernel_launches(w) * c.kernel_gpu_s}
+    if experts:
+        terms["experts"] = tokens * (experts + extra) / (rate * grouped_efficiency(w, c))
     return terms | ({"fp8 matmul": fp8_seconds(w, c)} if w.fp8 else {})
+
+
+def matmul_rate(w: Workload, c: Calibration) -> float:
+    """FLOP/s of the dense matmuls: the GPU's bf16 peak at its fitted efficiency (TF32 for fp32)."""
+    return w.gpu.bf16_tflops * 1e12 * c.efficiency(w.gpu) * (FP32_SPEED if w.precision.fp32 else 1.0)
 
 
 def fp8_flops(w: Workload) -> float:
@@ -366,11 +429,11 @@ def fp8_flops(w: Workload) -> float:
 
 
 def fp8_seconds(w: Workload, c: Calibration) -> float:
-    """GPU seconds of one micro-batch's float8 matmuls: their FLOPs at the chip's fitted share of its
+    """GPU seconds of one micro-batch's float8 matmuls: their FLOPs at the GPU's fitted share of its
     FP8 peak (the bf16 matmuls' share, not fitted on FP8), the casts of their operands at the fitted
     share of the bandwidth, their kernels, and the backward's transposed copy of each float8 weight."""
     tokens, passes = w.tokens_per_micro_batch, 1 + w.recompute_share
-    rate = w.gpu.fp8_tflops * 1e12 * c.efficiency(w.gpu.chip)
+    rate = w.gpu.fp8_tflops * 1e12 * c.efficiency(w.gpu)
     cast = "compiled" if w.compile else "eager"
     cast_elements = sum(n * (passes * linear.fan_in + linear.fan_out) for n, linear in fp8_linears(w))
     cast_bytes = tokens * cast_elements * FP8_CAST_BYTES[cast] + 2 * fp8_params(w)
@@ -390,22 +453,66 @@ def gpu_seconds(w: Workload, c: Calibration) -> float:
     return sum(gpu_terms(w, c).values())
 
 
-def attention_speed(w: Workload, c: Calibration) -> float:
-    """Attention's FLOP rate ÷ the matmuls': flash kernels (SDPA, flex) at the fitted rate, slower for
-    small heads; eager attention runs its two batched matmuls at the matmul rate (the s² scores it
-    writes are memory traffic, plan/traffic.py)."""
+def attention_cost(w: Workload, c: Calibration) -> float:
+    """Seconds of attention per causal attention FLOP, in matmul-FLOP seconds. Flash kernels (SDPA
+    without a mask, flex) skip the masked half at the chip's fitted speed, slower for small heads; an
+    explicit mask (Workload.masked_sdpa: packed rows, or a sliding window no longer than the row) sends SDPA
+    to its memory-efficient kernel, which computes every score at its own fitted speed; eager attention
+    computes every score with two batched matmuls at the matmul rate (the s² scores it writes are
+    memory traffic, plan/traffic.py)."""
     if w.attention == "eager":
-        return 1.0
-    return c.attention_speed * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0)
+        return 2.0
+    if w.masked_sdpa:
+        return 2.0 / c.masked_attention_speed
+    return 1.0 / (c.attention(w.gpu.chip) * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0))
+
+
+def expert_flops(w: Workload) -> tuple[float, float]:
+    """(of training_flops, the routed experts' part; FLOPs beyond training_flops) per token: the experts a
+    token goes through, forward, input gradient, recompute, and their weight gradient when they train;
+    PEFT's LoRA on the fused expert parameters also computes the full weight gradient, which training_flops
+    (counting the adapters') leaves out."""
+    if not w.model.moe:
+        return 0.0, 0.0
+    active = sum(n * sum(linear.active_weight_params for linear in linears if linear.kind == "experts")
+                 for n, linears in params.layer_kinds(w.model))
+    counted = active * (4 + 2 * w.recompute_share + (2 if w.method == "full" else 0))
+    targets = None if w.method == "full" else resolve_lora_targets(w.model, w.lora_targets, w.method)
+    return counted, 2 * active if targets is not None and targets.experts else 0.0
+
+
+def grouped_efficiency(w: Workload, c: Calibration) -> float:
+    """The grouped expert matmul's rate ÷ the dense matmuls': m / (m + m½) with m the tokens each expert
+    gets on this rank (a micro-batch's tokens × top-k ÷ experts), m½ fitted: each expert's matmul carries
+    a fixed cost (its weights read, partial waves of tiles, the grouping's offsets) worth m½ tokens of work."""
+    spec = w.model
+    per_expert = w.tokens_per_micro_batch / w.cp * spec.experts_per_token / spec.num_experts
+    return per_expert / (per_expert + c.expert_tokens_half)
+
+
+def kernel_classes(w: Workload, c: Calibration = CALIBRATION) -> dict[str, float]:
+    """The GPU terms of one micro-batch regrouped as a profiler sorts kernels by name (bench/gpu_kit/
+    speed_terms.py): matmul (the linears, the experts and PEFT's LoRA matmuls with the bytes those
+    move), attention, 4-bit dequantization, and the other, memory-bound kernels; each with its kernels'
+    fixed time. They sum to gpu_seconds."""
+    terms, k = gpu_terms(w, c), c.kernel_gpu_s
+    bandwidth = memory_bytes_per_s(w) * c.memory_efficiency
+    lora, dequant = adapter_matmul_bytes(w) / bandwidth, dequantized_bytes(w) / bandwidth
+    matmuls, attention, dequants = matmul_kernels(w), attention_kernels(w), dequantizations(w) * DEQUANT_KERNELS
+    other = kernel_launches(w) - matmuls - attention - dequants
+    return {"matmul": terms["matmul"] + terms.get("experts", 0.0) + lora + matmuls * k,
+            "attention": terms["attention"] + attention * k,
+            "dequant": dequant + dequants * k,
+            "other": terms["memory-bound"] - lora - dequant + other * k}
 
 
 def optimizer_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
     """The optimizer step, memory-bound: trainable weights, gradients and states read, weights and
-    states written (and the foreach temporaries), for the share of states this GPU updates
-    (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
+    states written in one pass (a fused kernel), and foreach AdamW's further passes, for the share of
+    states this GPU updates (all of them on one GPU or DDP, 1/n sharded, none when offloaded)."""
     states = model_states(w)
     share = place_states(w, states).optimizer / states.optimizer if states.optimizer else 0.0
-    moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + 2 * states.step_scratch
+    moved = 2 * states.trainable + states.gradients + 2 * states.optimizer + FOREACH_EXTRA_PASSES * states.step_scratch
     return share * moved / (memory_bytes_per_s(w) * c.memory_efficiency)
 
 
@@ -418,6 +525,13 @@ def micro_batch_seconds(issue: float, gpu: float, c: Calibration) -> float:
     return longer * ((issue / longer) ** p + (gpu / longer) ** p) ** (1 / p)
 
 
+def update_seconds(w: Workload, c: Calibration = CALIBRATION) -> float:
+    """One GPU's time per optimizer update without communication or offload: its micro-batches' two
+    clocks and the optimizer step (what a single-GPU run takes per update)."""
+    micro = micro_batch_seconds(issue_seconds(w, c), gpu_seconds(w, c), c)
+    return w.gradient_accumulation_steps * micro + optimizer_seconds(w, c)
+
+
 def memory_bytes_per_s(w: Workload) -> float:
     """The GPU's memory bandwidth, bytes/s (datasheet; a GPU without one: an H100's per peak TFLOP/s)."""
     return (w.gpu.memory_tb_per_s or H100_TB_PER_S * w.gpu.bf16_tflops / H100_TFLOPS) * 1e12
@@ -426,7 +540,8 @@ def memory_bytes_per_s(w: Workload) -> float:
 def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed:
     n = w.data_parallel_size  # a TP/CP group's GPUs share each micro-batch's FLOPs and tokens
     tokens_update = w.tokens_per_micro_batch * w.gradient_accumulation_steps
-    issue, gpu = issue_seconds(w, calibration), gpu_seconds(w, calibration) / w.model_parallel
+    issue, terms = issue_seconds(w, calibration), gpu_terms(w, calibration)
+    gpu, attention = sum(terms.values()) / w.model_parallel, terms["attention"] / w.model_parallel
     forward_share = training_flops(w)[0] / sum(training_flops(w))
     forward, backward = gpu * forward_share, gpu * (1 - forward_share)  # the windows communication hides under
     compute = w.gradient_accumulation_steps * micro_batch_seconds(issue, gpu, calibration) + optimizer_seconds(w, calibration)
@@ -437,7 +552,8 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
     exposed = exposed_seconds(items, gb_per_s, latency_s, forward, backward, w.gradient_accumulation_steps)
     group, (group_gb_per_s, group_latency_s) = model_parallel_collectives(w), model_parallel_link(w)
     comm += sum(c.seconds(group_gb_per_s, group_latency_s) for c in group)
-    exposed += exposed_seconds(group, group_gb_per_s, group_latency_s, forward, backward, w.gradient_accumulation_steps)
+    exposed += exposed_seconds(group, group_gb_per_s, group_latency_s, forward, backward, w.gradient_accumulation_steps,
+                               attention)
 
     offload = 0.0  # per update
     e = w.precision.compute_bytes
@@ -456,5 +572,5 @@ def estimate_speed(w: Workload, calibration: Calibration = CALIBRATION) -> Speed
         offload_s_per_token=offload / tokens_update,
         comm_bound=comm > compute,
         launch_bound=issue > gpu,
-        likely=speed_range(w, tuple(calibration.matmul_efficiency)),
+        likely=speed_range(w, calibration.chips),
     )

@@ -130,6 +130,43 @@ def adapter_forward_bytes(w: Workload) -> float:
                if linear.kind != "experts")  # LoRA on fused experts adds to the weight instead (plan/moe.py)
 
 
+def adapter_matmul_bytes(w: Workload) -> float:
+    """Of `traffic`, the bytes PEFT's LoRA matmuls themselves move per micro-batch (lora_A reading its
+    input, lora_B writing its output, and their backward): a profiler counts these kernels as matmuls,
+    though at rank r they are bound by these bytes, not by FLOPs."""
+    if w.method == "full":
+        return 0.0
+    targets = resolve_lora_targets(w.model, w.lora_targets, w.method)
+    width = w.precision.compute_bytes if w.precision.autocast else w.adapter_bytes
+    per_token = sum(width * (linear.fan_in + linear.fan_out) for linear in adapted(layer_linears(w.model), targets)
+                    if linear.kind != "experts")
+    return w.tokens_per_micro_batch * w.model.num_layers * per_token * (1 + w.recompute_share + BACKWARD_TRAFFIC)
+
+
+# torch's ring attention (context parallelism), bytes per element of this rank's attention output (q)
+# and of its keys and values (kv) per hop past the first: the forward turns each block's output fp32 and
+# merges it into the running output through its log-sum-exp (three fp32 passes, and the load-balanced
+# half's copies) and concatenates the keys and values it passes on; the backward adds each block's
+# query, key and value gradients into fp32 sums and concatenates the key and value gradients it passes on.
+RING_FORWARD_BYTES = {"q": 48, "kv": 8}
+RING_BACKWARD_BYTES = {"q": 12, "kv": 48}
+# Kernels per hop past the first: the block's attention, the merge's passes, the concatenation.
+RING_HOP_KERNELS = 10
+
+
+def ring_bytes(w: Workload) -> float:
+    """Bytes per token (of the micro-batch) the ring's merges and copies move, every layer, forward,
+    recompute and backward: (cp − 1) hops, each on this rank's 1/cp of the tokens, so per token of the
+    whole row the same (cp − 1) hops' bytes."""
+    if w.cp == 1:
+        return 0.0
+    spec = w.model
+    q, kv = spec.num_heads * spec.resolved_head_dim, 2 * spec.num_kv_heads * spec.resolved_head_dim
+    forward = RING_FORWARD_BYTES["q"] * q + RING_FORWARD_BYTES["kv"] * kv
+    backward = RING_BACKWARD_BYTES["q"] * q + RING_BACKWARD_BYTES["kv"] * kv
+    return (w.cp - 1) * spec.num_layers * (forward * (1 + w.recompute_share) + backward)
+
+
 def layer_kernels(spec: ModelSpec) -> int:
     """Kernels an eager decoder layer without adapters launches, forward and backward."""
     return (LAYER_KERNELS["eager"] + len(layer_linears(spec))) * (1 + BACKWARD_KERNELS)
@@ -137,11 +174,32 @@ def layer_kernels(spec: ModelSpec) -> int:
 
 def kernel_launches(w: Workload) -> float:
     """Kernels one micro-batch launches in its decoder layers: forward, the recomputed forward, and
-    the backward."""
-    linears = len(layer_linears(w.model))
-    lora = 0 if w.method == "full" else len(adapted(layer_linears(w.model), resolve_lora_targets(w.model, w.lora_targets, w.method)))
-    forward = LAYER_KERNELS[kernels(w)] + linears + lora * (ADAPTER_KERNELS + (w.method == "qlora"))
-    return w.model.num_layers * forward * (1 + w.recompute_share + BACKWARD_KERNELS) + dequantizations(w) * DEQUANT_KERNELS
+    the backward; the ring's per hop under context parallelism."""
+    lora = _adapted_count(w)
+    forward = LAYER_KERNELS[kernels(w)] + len(layer_linears(w.model)) + lora * (ADAPTER_KERNELS + (w.method == "qlora"))
+    ring = (w.cp - 1) * RING_HOP_KERNELS * (2 + w.recompute_share)
+    return w.model.num_layers * (forward * _passes(w) + ring) + dequantizations(w) * DEQUANT_KERNELS
+
+
+def matmul_kernels(w: Workload) -> float:
+    """Of `kernel_launches`, the matmuls: each linear (a fused expert parameter's grouped matmul one),
+    and LoRA's A and B per adapted linear."""
+    return w.model.num_layers * (len(layer_linears(w.model)) + 2 * _adapted_count(w)) * _passes(w)
+
+
+def attention_kernels(w: Workload) -> float:
+    """Of `kernel_launches`, the attention kernels: one per layer and pass (one per hop under CP)."""
+    return w.model.num_layers * w.cp * _passes(w)
+
+
+def _passes(w: Workload) -> float:
+    return 1 + w.recompute_share + BACKWARD_KERNELS
+
+
+def _adapted_count(w: Workload) -> int:
+    if w.method == "full":
+        return 0
+    return len(adapted(layer_linears(w.model), resolve_lora_targets(w.model, w.lora_targets, w.method)))
 
 
 def dequantizations(w: Workload) -> float:
@@ -164,7 +222,7 @@ def traffic(w: Workload) -> Traffic:
     autocast's weight casts and the weight gradients' writes."""
     spec = w.model
     passes = 1 + w.recompute_share + BACKWARD_TRAFFIC
-    per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)]
+    per_token = spec.num_layers * layer_forward_bytes(w) * passes + spec.vocab_size * LOSS_BYTES[kernels(w)] + ring_bytes(w)
     counts = count_params(spec)
     per_micro_batch = dequantized_bytes(w)
     # LoRA on fused experts writes W + ΔW and the grouped matmul reads it, per pass, in every MoE layer

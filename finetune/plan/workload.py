@@ -71,6 +71,13 @@ class Workload:
             object.__setattr__(self, "dense_mask", False)
 
     @property
+    def masked_sdpa(self) -> bool:
+        """SDPA gets an explicit micro × s × s mask: packed rows (`dense_mask`), or a sliding window no
+        longer than the row (ModelSpec.masks_attention). It converts the mask in every layer and runs its
+        memory-efficient kernel over every score (plan.memory, plan.speed; plan.traffic for packed rows)."""
+        return self.attention == "sdpa" and (self.dense_mask or self.model.masks_attention(self.seq_len))
+
+    @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 

@@ -74,14 +74,14 @@ def simulate(run: ResolvedRun) -> Simulation:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     run = one_rank(run)
     if run.strategy.fsdp:
-        return _simulate_fsdp(run, w.dense_mask)
+        return _simulate_fsdp(run, w)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from finetune.train import loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
-    _mask_as_the_run_builds_it(model, w.dense_mask)
+    _mask_as_the_run_builds_it(model, w.masked_sdpa)
     with fake_mode:
         optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
         tracker = _frozen_aware(MemTracker)()
@@ -146,15 +146,16 @@ def _frozen_aware(tracker_class):
 CAUSAL_SDPA = "finetune_causal_sdpa"
 
 
-def _mask_as_the_run_builds_it(model, dense_mask: bool) -> None:
+def _mask_as_the_run_builds_it(model, masked: bool) -> None:
     """On fake tensors transformers cannot read the position ids, so it takes every row for packed and
-    builds a dense mask. Where the run builds none (full-length rows; packed rows under varlen, flex or
-    flash), the simulated SDPA runs causal without one, as the run's does (or as its kernel saves)."""
+    builds a dense mask. Where the run builds none (`masked`: Workload.masked_sdpa; full-length rows, or
+    packed rows under varlen, flex or flash), the simulated SDPA runs causal without one, as the run's
+    does (or as its kernel saves)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not dense_mask and base.config._attn_implementation == "sdpa":
+    if not masked and base.config._attn_implementation == "sdpa":
         AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
         base.set_attn_implementation(CAUSAL_SDPA)
 
@@ -177,7 +178,7 @@ def _steps(run: ResolvedRun, model, optimizer, tracker, dense_mask: bool = False
         optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
 
-def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
+def _simulate_fsdp(run: ResolvedRun, w: Workload) -> Simulation:
     """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
     layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
     import torch
@@ -194,7 +195,7 @@ def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
     try:
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
         model, fake_mode = loading.build_skeleton(run)
-        _mask_as_the_run_builds_it(model, dense_mask)
+        _mask_as_the_run_builds_it(model, w.masked_sdpa)
         with fake_mode:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
@@ -208,7 +209,7 @@ def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
             optimizer = build_optimizer(run.config, model, run.peak_lr)
             tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
             with tracker:
-                _steps(run, model, optimizer, tracker, dense_mask)
+                _steps(run, model, optimizer, tracker, w.dense_mask)
             return _result(tracker)
     finally:
         dist.destroy_process_group()

@@ -1,10 +1,14 @@
 """Real CUDA training through the command line a user runs: every method on `tiny` and on a 1B
-catalog shape (random init, no download), FSDP2 and ZeRO-2-offload in one process, save → resume →
-export, the fit check, and `finetune doctor`.
+catalog shape (random init, no download), FSDP2 and ZeRO-2-offload in one process, save → resume and
+save → export, the fit check, and `finetune doctor`.
 
 Marked `gpu`: `bench/gpu_kit/run.sh` runs them on a lent GPU (`pytest -m gpu`); CI deselects them
-(`-m "not slow and not gpu"`); without CUDA they are skipped with that reason. They use the
-trainer's `--precision` flag and its fit check.
+(`-m "not slow and not gpu"`); without CUDA they are skipped with that reason. Each `python -m
+finetune` is forked from a server that has imported the trainer already (bench/gpu_kit/forked.py:
+the same entry and flags, its own process and CUDA context, without the ~10 s of imports a fresh
+interpreter pays); each has a time limit past which its Python stack is printed and the test fails.
+Under the kit (KIT_TEST_DEADLINE, epoch seconds) a test that would end past the step's deadline is
+skipped, saying so, so pytest ends inside its cap and writes its report.
 """
 
 import json
@@ -12,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO / "bench/gpu_kit"))
 
+from forked import RowRunner, read_log, run_logged  # noqa: E402
 from memory import random_checkpoint  # noqa: E402
 
 from finetune.models.catalog import get  # noqa: E402
@@ -34,14 +40,40 @@ SHORT = ["--max-steps", "4", "--warmup-steps", "0", "--lr-schedule", "constant",
          "--max-eval-examples", "8", "--num-samples", "0", "--max-seq-len", "128"]
 METHODS = [("full", "bf16-mixed", "1e-3"), ("lora", "bf16-true", "3e-3"), ("qlora", "bf16-true", "3e-3")]
 LLAMA_1B = get("llama-3.2-1b")
+RUN_SECONDS = 150  # one finetune process of these tests; past it, its stack is printed and the test fails
+# seconds a test may take on the H200 (the deadline's guess): the 1B shape loads 2.5 GB, FSDP2 starts
+# accelerate's launcher and a worker, ZeRO-2-offload needs DeepSpeed's CPU Adam (run.sh builds it while
+# the earlier steps run; built here, it adds about a minute)
+NEEDS = {"test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes": 40, "test_fsdp2_in_one_process": 60,
+         "test_doctor_sees_the_gpu": 40, "test_zero2_offload_in_one_process": 60,
+         "test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example": 40}
 
 
-def finetune(*args: str, launcher: tuple[str, ...] = (), expect: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [*launcher, *(["-m", "finetune"] if launcher else [sys.executable, "-m", "finetune"]), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                            env=os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
-    assert result.returncode == expect, f"{' '.join(command)}\n{(result.stdout + result.stderr)[-4000:]}"
-    return result
+def skip_past_the_kits_deadline(seconds: float) -> None:
+    """Under the kit, what would end after KIT_TEST_DEADLINE does not start."""
+    deadline = os.environ.get("KIT_TEST_DEADLINE")
+    if deadline and time.time() + seconds > float(deadline):
+        pytest.skip("not run: the kit's time for the GPU tests ran out first (KIT_TEST_SECONDS)")
+
+
+@pytest.fixture(autouse=True)
+def kit_deadline(request):
+    skip_past_the_kits_deadline(NEEDS.get(request.node.originalname, 30))
+
+
+@pytest.fixture(scope="session")
+def runner() -> RowRunner:
+    """The forked processes' server (started on first use, with the offline Hub its rows need)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return RowRunner()
+
+
+def finetune(runner: RowRunner, log: Path, *args: str, expect: int = 0, timeout: float = RUN_SECONDS) -> str:
+    """`python -m finetune ARGS` (forked), its output in `log`; asserts its exit code; returns the output."""
+    result = runner.run(["-m", "finetune", *args], log, timeout)
+    output = read_log(log)
+    assert result["status"] == ("ok" if expect == 0 else f"exit {expect}"), f"finetune {' '.join(args)}: {result}\n{output[-4000:]}"
+    return output
 
 
 def updates(output_dir: Path) -> list[dict]:
@@ -49,16 +81,17 @@ def updates(output_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def llama_1b(tmp_path_factory) -> Path:
+def llama_1b(tmp_path_factory, runner) -> Path:
     """llama-3.2-1b's shape in bf16 with random weights, written once (run.sh shares it with memory.py)."""
+    skip_past_the_kits_deadline(NEEDS["test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes"])  # runs before kit_deadline
     cache = Path(os.environ.get("KIT_RANDOM_INIT") or tmp_path_factory.mktemp("random-init"))
-    return random_checkpoint(LLAMA_1B.name, cache, timeout_s=600)
+    return random_checkpoint(LLAMA_1B.name, cache, timeout_s=RUN_SECONDS, runner=runner)
 
 
 @pytest.mark.parametrize("method, precision, lr", METHODS, ids=[m[0] for m in METHODS])
-def test_tiny_trains_on_cuda(method, precision, lr, tmp_path):
+def test_tiny_trains_on_cuda(method, precision, lr, runner, tmp_path):
     out = tmp_path / "run"
-    finetune("--model", "tiny", "--method", method, "--precision", precision, "--lr", lr,
+    finetune(runner, tmp_path / "run.log", "--model", "tiny", "--method", method, "--precision", precision, "--lr", lr,
              "--micro-batch-size", "16", "--output-dir", str(out), *SHORT)
     steps = updates(out)
     losses = [r["loss"] for r in steps]
@@ -75,7 +108,7 @@ LEARNABLE = "the quick brown fox jumps over the lazy dog and then the dog sleeps
 
 
 @pytest.mark.parametrize("method, precision, lr", METHODS_1B, ids=[m[0] for m in METHODS_1B])
-def test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes(method, precision, lr, llama_1b, tmp_path):
+def test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes(method, precision, lr, llama_1b, runner, tmp_path):
     """It learns: after 8 updates on a repeated sentence, the loss on held-out copies of it is at
     least 1 nat below where the random init started. The peak shows what the weights are stored
     in: full keeps fp32 weights, gradients and Adam (≥ 16 B/parameter); LoRA's bf16 base stays
@@ -83,7 +116,7 @@ def test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes(method, precision
     a bf16 one."""
     data, out = tmp_path / "learnable.jsonl", tmp_path / "run"
     data.write_text("".join(json.dumps({"text": LEARNABLE}) + "\n" for _ in range(64)))
-    finetune("--model", str(llama_1b), "--method", method, "--precision", precision, "--lr", lr,
+    finetune(runner, tmp_path / "run.log", "--model", str(llama_1b), "--method", method, "--precision", precision, "--lr", lr,
              "--dataset", str(data), "--format", "text", "--eval-split", "0.25", "--micro-batch-size", "4",
              "--no-save-final", "--output-dir", str(out), *SHORT, "--max-steps", "8")
     steps = updates(out)
@@ -101,37 +134,55 @@ def test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes(method, precision
 
 
 def test_fsdp2_in_one_process(tmp_path):
-    out = tmp_path / "run"
-    result = finetune("--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16", "--save-every", "4",
-                      "--output-dir", str(out), *SHORT,
-                      launcher=(sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                str(REPO / "accelerate_configs/fsdp.yaml"), "--num_processes", "1"))
-    assert "strategy: FSDP" in result.stdout
+    """Through accelerate's launcher, as a user starts FSDP2 (its own processes, not forked)."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
+              "--num_processes", "1", "-m", "finetune"]
+    result = run_logged([*launch, "--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16", "--save-every", "4",
+                         "--output-dir", str(out), *SHORT], log, RUN_SECONDS)
+    output = read_log(log)
+    assert result["status"] == "ok", output[-4000:]
+    assert "strategy: FSDP" in output
     losses = [r["loss"] for r in updates(out)]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert (out / "checkpoints/step-000004/pytorch_model_fsdp_0").is_dir()
 
 
-def test_save_resume_export_on_cuda(tmp_path):
-    """A run saved at step 2 and resumed elsewhere repeats the uninterrupted run's losses; the export
-    of its last checkpoint holds the weights the run saved at the end."""
-    common = ["--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16", "--save-every", "2", *SHORT]
-    whole, resumed, exported = tmp_path / "whole", tmp_path / "resumed", tmp_path / "exported"
-    finetune(*common, "--output-dir", str(whole))
-    finetune(*common, "--output-dir", str(resumed), "--resume", str(whole / "checkpoints/step-000002"))
-    expected = [r["loss"] for r in updates(whole)][2:]
+# a tiny run saved every 2 updates and at its end; no evaluation (its generations cost more than its updates)
+SAVED = ["--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16", "--save-every", "2", *SHORT,
+         "--max-eval-examples", "0"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, runner) -> Path:
+    skip_past_the_kits_deadline(60)  # this run and the test's own
+    out = tmp_path_factory.mktemp("saved") / "whole"
+    finetune(runner, out.parent / "whole.log", *SAVED, "--output-dir", str(out))
+    return out
+
+
+def test_resume_on_cuda_repeats_the_uninterrupted_losses(saved_run, runner, tmp_path):
+    """A run saved at step 2 and resumed elsewhere repeats the uninterrupted run's losses."""
+    resumed = tmp_path / "resumed"
+    finetune(runner, tmp_path / "resumed.log", *SAVED, "--output-dir", str(resumed), "--resume",
+             str(saved_run / "checkpoints/step-000002"))
+    expected = [r["loss"] for r in updates(saved_run)][2:]
     assert [r["step"] for r in updates(resumed)] == [3, 4]
     assert [r["loss"] for r in updates(resumed)] == pytest.approx(expected, rel=1e-3)  # CUDA kernels may reorder sums
-    finetune("export", str(whole), "--out", str(exported))
+
+
+def test_export_on_cuda_holds_the_weights_saved_at_the_end(saved_run, runner, tmp_path):
+    exported = tmp_path / "exported"
+    finetune(runner, tmp_path / "export.log", "export", str(saved_run), "--out", str(exported))
     from transformers import AutoModelForCausalLM
 
-    final, export = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() for path in (whole, exported))
+    final, export = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() for path in (saved_run, exported))
     assert final.keys() == export.keys()
     for name, tensor in final.items():
         torch.testing.assert_close(export[name], tensor, rtol=0, atol=0)
 
 
-def test_fit_check_stops_a_run_that_cannot_fit_before_loading(tmp_path):
+def test_fit_check_stops_a_run_that_cannot_fit_before_loading(runner, tmp_path):
     """llama-3.1-8b full fine-tuning needs ~16 B × 8B parameters: more than any single GPU. The run
     must stop before loading weights (there are none in the folder) and point at `finetune plan`."""
     from transformers import AutoConfig, AutoTokenizer
@@ -141,14 +192,16 @@ def test_fit_check_stops_a_run_that_cannot_fit_before_loading(tmp_path):
     model = tmp_path / "llama-3.1-8b-shape"
     AutoConfig.for_model(**get("llama-3.1-8b").to_hf_config_dict()).save_pretrained(model)
     AutoTokenizer.from_pretrained(BUILTIN_DIR).save_pretrained(model)
-    result = finetune("--model", str(model), "--method", "full", "--precision", "bf16-mixed", "--micro-batch-size", "8",
-                      "--max-seq-len", "2048", "--max-steps", "1", "--output-dir", str(tmp_path / "run"), expect=2)
-    assert "finetune plan" in result.stderr and "GiB" in result.stderr
+    output = finetune(runner, tmp_path / "run.log", "--model", str(model), "--method", "full", "--precision", "bf16-mixed",
+                      "--micro-batch-size", "8", "--max-seq-len", "2048", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
+                      expect=2)
+    assert "finetune plan" in output and "GiB" in output
 
 
 def test_doctor_sees_the_gpu(tmp_path):
+    """As its own process: its --json report is the whole of stdout."""
     result = subprocess.run([sys.executable, "-m", "finetune", "doctor", "--json", "--output-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)})
+                            capture_output=True, text=True, timeout=RUN_SECONDS, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)})
     report = json.loads(result.stdout)
     by_check = {f["check"]: f for f in report["findings"]}
     name = torch.cuda.get_device_name(0)
@@ -159,7 +212,7 @@ def test_doctor_sees_the_gpu(tmp_path):
     assert result.returncode == (0 if report["ok"] else 1)
 
 
-def test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example(tmp_path):
+def test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example(runner, tmp_path):
     """--attention varlen's kernel, which the CPU tests (tests/train/test_packed_attention.py) replace by
     SDPA per example: a tiny Llama with grouped KV heads in bf16, a micro-batch of packed rows
     flattened, gives the loss and gradients of SDPA on the same examples unpacked (bf16: 1 % of the
@@ -190,18 +243,18 @@ def test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example(tmp_pat
     assert all((g - h).norm() <= 0.03 * g.norm() + 1e-6 for g, h in zip(grads, grads_varlen))
 
     out = tmp_path / "run"
-    result = finetune("--model", "tiny", "--method", "lora", "--precision", "bf16-true", "--lr", "3e-3", "--packing",
-                      "--attention", "varlen", "--micro-batch-size", "4", "--output-dir", str(out), *SHORT)
-    assert "attention varlen" in result.stdout
+    output = finetune(runner, tmp_path / "run.log", "--model", "tiny", "--method", "lora", "--precision", "bf16-true", "--lr",
+                      "3e-3", "--packing", "--attention", "varlen", "--micro-batch-size", "4", "--output-dir", str(out), *SHORT)
+    assert "attention varlen" in output
     losses = [r["loss"] for r in updates(out)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
-def test_zero2_offload_in_one_process(tmp_path):
-    """Last: DeepSpeed JIT-compiles its CPU Adam on first use (about a minute)."""
+def test_zero2_offload_in_one_process(runner, tmp_path):
+    """Last: DeepSpeed JIT-compiles its CPU Adam on first use (about a minute) where run.sh has not."""
     out = tmp_path / "run"
-    result = finetune("--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16",
+    output = finetune(runner, tmp_path / "run.log", "--model", "tiny", "--precision", "bf16-mixed", "--micro-batch-size", "16",
                       "--deepspeed", str(REPO / "ds_configs/zero2_offload.json"), "--output-dir", str(out), *SHORT)
-    assert "ZeRO stage 2, offload optimizer → cpu" in result.stdout
+    assert "ZeRO stage 2, offload optimizer → cpu" in output
     losses = [r["loss"] for r in updates(out)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

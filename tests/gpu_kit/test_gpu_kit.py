@@ -4,24 +4,23 @@ predictions, and run.sh installs and stops cleanly where CUDA is first needed.""
 
 import csv
 import dataclasses
-import json
 import os
-import shlex
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import LIGER_BROKEN, LIGER_WORKING, REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows, write_jsonl
+from helpers import REPO, make_venv_seeing_these_packages, tiny_model, tiny_model_dir, word_rows, write_jsonl
 
 KIT = REPO / "bench/gpu_kit"
 sys.path.insert(0, str(KIT))
 
 import memory  # noqa: E402
 import wheels  # noqa: E402
-from forked import RowRunner  # noqa: E402
+from forked import RowRunner, run_logged  # noqa: E402
 
 from finetune.train.metrics import read_metrics  # noqa: E402
 
@@ -169,11 +168,15 @@ def test_run_sh_installs_and_stops_before_cuda(tmp_path):
     env = os.environ | {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "OUT": str(out), "KIT_WHEELS": str(shipped),
                         "KIT_WORK": str(tmp_path / "work")}
     result = subprocess.run(["bash", str(KIT / "run.sh")], env=env, capture_output=True, text=True, timeout=600)
-    log = (out / "run.log").read_text()
+    assert [p.name for p in out.iterdir()] == ["logs.tar.gz"], result.stdout[-3000:]  # every log in one file
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        logs = {Path(m.name).name: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
+    assert set(logs) == {"run.log", "environment.txt", "pip-check.txt"}
+    log = logs["run.log"]
     assert result.returncode == 3, log[-3000:]
     assert "installed 1 wheel(s): gpukit-probe" in log and "already installed, kept: tqdm" in log
     assert "no CUDA device: stopping before the GPU steps" in log and "pytest -m gpu" not in log
-    assert "torch" in (out / "environment.txt").read_text()
+    assert "torch" in logs["environment.txt"]
     python = str(venv / "bin/python")
     check = "import gpukit_probe, tqdm, finetune; print(gpukit_probe.VERSION, tqdm.__version__ != '0.0.1', finetune.__file__)"
     printed = subprocess.run([python, "-c", check], capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
@@ -196,7 +199,8 @@ def row_flags(model: Path, data: Path, output_dir: Path, *extra: str) -> list[st
 
 def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
     """Rows forked from the preloaded server: each trains and writes its metrics and log; a row with a
-    bad flag reports finetune's one-line error and exit code; one past its time is killed."""
+    bad flag reports finetune's one-line error and exit code; a script runs as `python script.py`
+    would; one past its time prints its Python stack into its log and is killed."""
     model, data = tiny_model_dir(tmp_path / "model"), write_jsonl(tmp_path / "data.jsonl", word_rows([12] * 32))
     runner = RowRunner()
     for name in ("first", "second"):
@@ -212,10 +216,21 @@ def test_forked_rows_train_and_fail_like_their_own_processes(tmp_path):
     assert "--micro-batch-size must be ≥ 1" in (bad / "run.log").read_text()
     code = runner.run(["-c", "import sys; print('args', sys.argv[1:])", "a", "b"], tmp_path / "code.log", timeout_s=60)
     assert code["status"] == "ok" and "args ['a', 'b']" in (tmp_path / "code.log").read_text()
+    script = tmp_path / "script.py"
+    script.write_text("import sys; print('script', __name__, sys.argv[1:], sys.path[0])\n")
+    ran = runner.run([str(script), "a"], tmp_path / "script.log", timeout_s=60)
+    assert ran["status"] == "ok" and f"script __main__ ['a'] {tmp_path}" in (tmp_path / "script.log").read_text()
     slow = tmp_path / "slow"
     slow.mkdir()
     assert runner.run(["-m", "finetune", *row_flags(model, data, slow, "--max-steps", "100000")], slow / "run.log",
                       timeout_s=2)["status"] == "timeout"
+    assert "(most recent call first)" in (slow / "run.log").read_text()
+
+
+def test_a_subprocess_row_past_its_time_prints_its_stack(tmp_path):
+    result = run_logged([sys.executable, "-c", "import time\ndef waiting(): time.sleep(60)\nwaiting()"], tmp_path / "run.log", 2)
+    assert result["status"] == "timeout" and result["seconds"] < 30
+    assert "(most recent call first)" in (tmp_path / "run.log").read_text() and "waiting" in (tmp_path / "run.log").read_text()
 
 
 def test_a_row_that_cannot_use_cuda_after_fork_runs_as_a_subprocess(tmp_path, monkeypatch):
@@ -248,154 +263,6 @@ def test_results_table_and_csv_compare_measured_with_planned(tmp_path):
     written = list(csv.DictReader((tmp_path / "memory.csv").open()))
     assert (written[0]["allocated_error"], written[0]["reserved_error"]) == ("0.1", "-0.1")
     assert written[1]["predicted_allocated_gib"] == ""
-
-
-def test_throughput_dry_run_lists_every_row_with_its_command(tmp_path):
-    """Every row, finetune's with its plan for the GPU lent now (an H200, no GPU here), each with the
-    command it runs: finetune's flags parse as finetune's, the baselines' as baselines.py's, all on the
-    same checkpoint, rows and shape."""
-    import baselines
-    import throughput
-
-    from finetune.config.flags import parse_config
-
-    result = subprocess.run([sys.executable, str(KIT / "throughput.py"), "--dry-run", "--method", "qlora",
-                             "--micro-batch-size", "4", "--work", str(tmp_path)], capture_output=True, text=True, check=True)
-    header, *lines = result.stdout.splitlines()
-    assert "mistral-7b qlora" in header and "micro batch 4" in header and header.endswith("on H200:")
-    args = throughput.parse_args(["--dry-run", "--method", "qlora", "--micro-batch-size", "4", "--work", str(tmp_path)])
-    checkpoint = tmp_path / "random-init/mistral-7b"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "mistral"}))  # finetune's flags want a model folder
-    assert len(lines) == 2 * len(throughput.ROWS) == 24
-    for row, line, command in zip(throughput.ROWS, lines[::2], lines[1::2]):
-        assert line[:36].strip() == row.name and command.startswith("      $ ")
-        argv = shlex.split(command.removeprefix("      $ "))
-        if row.fp8:  # LoRA's: listed, never planned nor run for QLoRA
-            assert "skipped: --fp8 casts LoRA's frozen 16-bit base weights to float8, and QLoRA's base" in line
-            assert parse_config(argv[3:]).fp8 and throughput.refused(row, args)
-        elif row.program == "finetune":
-            plan = throughput.planned(row, args)
-            assert f"planned {plan['planned_tokens_per_second']:,.0f} tok/s, {plan['planned_allocated_gib']:.1f} GiB" in line
-            config = parse_config(argv[3:])
-            assert (config.model, config.dataset, config.method) == (str(checkpoint), str(tmp_path / "data-4096.jsonl"), "qlora")
-            assert (config.micro_batch_size, config.max_seq_len, config.max_steps, config.liger, config.compile,
-                    config.gradient_checkpointing) == (4, 4096, 6, row.liger, row.compile, True)
-            assert config.chunked_loss in ((None, True) if row.chunked_loss else (False,))
-            if row.planned_layers:  # the plan's fewest checkpointed layers on the H200: a 7B QLoRA leaves room
-                assert config.gradient_checkpointing_layers == throughput.workload(row, args).recomputed_layers < 32
-            else:
-                assert config.gradient_checkpointing_layers is None
-        else:
-            assert "not planned" in line and argv[1] == str(KIT / "baselines.py")
-            parsed = baselines.parse_args(argv[2:])
-            assert (parsed.program, parsed.liger, parsed.method, parsed.micro_batch_size, parsed.seq_len, parsed.steps) == (
-                row.program, row.liger, "qlora", 4, 4096, 6)
-            assert (parsed.checkpoint, parsed.data) == (checkpoint, tmp_path / "data-4096.jsonl")
-    assert {row.program for row in throughput.ROWS} == {"finetune", "trl", "peft-loop"}
-
-
-def test_throughput_rows_measure_the_defaults_ab_pairs_first():
-    """A deadline leaves ~5 of the 10 rows: finetune with its defaults and each default's A/B come first
-    (the model's own loss, the planned partial checkpointing, Liger), then the anchor; compiled rows last."""
-    import throughput
-
-    names = [row.name for row in throughput.ROWS]
-    assert names[:5] == ["finetune", "finetune --no-chunked-loss", "finetune, ckpt as planned", "finetune --liger",
-                         "TRL SFTTrainer use_liger_kernel"]
-    assert [row.compile for row in throughput.ROWS][-3:] == [True] * 3 and not any(r.compile for r in throughput.ROWS[:-3])
-    default, own_loss, planned_layers, liger = throughput.ROWS[:4]
-    assert default.chunked_loss and not (default.liger or default.planned_layers)
-    assert not own_loss.chunked_loss and planned_layers.planned_layers and liger.liger
-
-
-def test_throughput_fp8_rows_are_planned_with_the_float8_base_for_lora(tmp_path):
-    """For LoRA the --fp8 rows run `--fp8` beside their bf16 twins (--liger; --liger --compile), and their
-    plan counts the float8 copies (one byte per frozen linear weight: 6.5 GiB more at Mistral-7B)."""
-    import throughput
-
-    args = throughput.parse_args(["--dry-run", "--method", "lora", "--work", str(tmp_path)])
-    rows = {row.name: row for row in throughput.ROWS}
-    for fp8, bf16 in (("finetune --liger --fp8", "finetune --liger"),
-                      ("finetune --liger --fp8 --compile", "finetune --liger --compile")):
-        assert throughput.refused(rows[fp8], args) is None
-        assert throughput.workload(rows[fp8], args).fp8 and not throughput.workload(rows[bf16], args).fp8
-        assert "--fp8" in throughput.train_flags(rows[fp8], args, "mistral-7b", tmp_path / "rows.jsonl")
-        more = throughput.planned(rows[fp8], args)["planned_allocated_gib"] - throughput.planned(rows[bf16], args)["planned_allocated_gib"]
-        assert 6.4 < more < 7.5
-
-
-def test_throughput_without_cuda_lists_every_row_as_skipped(tmp_path):
-    """No row is dropped: without CUDA each is listed with why, the CSV has all of them, no
-    checkpoint is written, and the exit code says no finetune row could run."""
-    import throughput
-
-    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
-    assert throughput.run_rows(args) == 1
-    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
-    assert [r["row"] for r in rows] == [row.name for row in throughput.ROWS]
-    assert {r["status"] for r in rows} == {"skipped: no CUDA device"}
-    assert not (args.work / "random-init").exists()
-
-
-@pytest.mark.parametrize("deadline, status, code", [(100, "not run: time (the deadline stopped it after 42 s)", 0),
-                                                     (None, "timeout", 1)])
-def test_a_row_the_deadline_stops_is_not_run_and_every_row_gets_finetunes_allocator(deadline, status, code, tmp_path,
-                                                                                     monkeypatch):
-    """Rows whose process the deadline stops are "not run", not failures (exit 0); a row that outlives its
-    own --row-timeout is a failure (exit 1). Every row's process, TRL's and the PEFT loop's too, starts
-    with the allocator finetune sets for itself. (The rows' processes are stood in for: no GPU here.)"""
-    import throughput
-
-    started = []
-
-    def process(command, log, timeout_s):
-        started.append((Path(command[1]).name if command[1] != "-m" else "finetune", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
-        log.write_text("")
-        return {"status": "timeout", "seconds": 42.0}
-
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(throughput, "skip_reason", lambda row, cuda, model_type: None)
-    monkeypatch.setattr(throughput, "run_logged", process)
-    monkeypatch.setattr(memory, "random_checkpoint", lambda *args, **kwargs: None)
-    args = throughput.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--gpu", "H200",
-                                  *(["--deadline", str(time.time() + deadline)] if deadline else [])])
-    assert throughput.run_rows(args) == code
-    rows = list(csv.DictReader((args.out / "throughput.csv").open()))
-    assert {r["status"] for r in rows} == {status} and {r["allocator"] for r in rows} == {"expandable_segments:True"}
-    assert {program for program, _ in started} == {"finetune", "baselines.py"}
-    assert {allocator for _, allocator in started} == {"expandable_segments:True"}
-
-
-def test_rows_are_skipped_for_missing_or_broken_packages_only(monkeypatch, liger_kernel):
-    import throughput
-
-    installed = {"trl"}  # and liger-kernel, as the fixture installs it
-    find_spec = throughput.importlib.util.find_spec
-    monkeypatch.setattr(throughput.importlib.util, "find_spec",
-                        lambda name, *rest: find_spec(name, *rest) if name in installed or name.startswith("liger") else None)
-    liger_kernel(LIGER_BROKEN)
-    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
-    skipped = {name for name, reason in reasons.items() if reason}
-    assert skipped == {row.name for row in throughput.ROWS if row.liger}
-    assert all(reasons[name].startswith("liger-kernel 0.8.5 does not import: ImportError") for name in skipped)
-    installed.clear()
-    liger_kernel(LIGER_WORKING)
-    reasons = {row.name: throughput.skip_reason(row, cuda=True) for row in throughput.ROWS}
-    assert {name for name, reason in reasons.items() if reason} == {"TRL SFTTrainer", "TRL SFTTrainer use_liger_kernel"}
-
-
-def test_throughput_table_lines():
-    import throughput
-
-    finetune = {"row": "finetune --compile", "status": "ok", "tokens_per_second": 7512.4, "planned_tokens_per_second": 7142.0,
-                "allocated_gib": 21.456, "planned_allocated_gib": 20.9, "reserved_gib": 23.1, "seconds": 61.2,
-                "compile_seconds": 48.7}
-    trl = {"row": "TRL SFTTrainer", "status": "skipped: trl is not installed", "planned_tokens_per_second": None}
-    assert throughput.table_line(finetune) == (f"{'finetune --compile':<34}     7,512     7,142  21.46 (planned 20.90) GiB "
-                                               "allocated, 23.10 reserved, 61 s, 49 s compiling")
-    assert throughput.table_line(trl) == f"{'TRL SFTTrainer':<34}         –         –  skipped: trl is not installed"
 
 
 @pytest.fixture
@@ -431,6 +298,8 @@ def test_peft_loop_trains_lora_with_fused_adamw(text_rows):
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     assert optimizer.defaults["fused"] is True and model.base_model.model.is_gradient_checkpointing
+    plain, _ = baselines.peft_loop(tiny_model("llama-3.2-1b", vocab_size=len(tokenizer)), checkpointing=False)
+    assert not plain.base_model.model.is_gradient_checkpointing
     lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
     assert not lora_b.any()  # PEFT starts B at zero
     seconds, losses = baselines.train_loop(model, optimizer, rows, micro_batch_size=2, steps=3)
@@ -455,6 +324,10 @@ def test_sft_config_of_each_trl_row(monkeypatch, tmp_path):
         assert config.gradient_checkpointing_kwargs == {"use_reentrant": False} and config.optim == "adamw_torch_fused"
         assert (config.max_length, config.packing, config.padding_free, config.use_liger_kernel) == (4096, False, False, liger)
         assert (config.save_strategy, config.eval_strategy, config.max_grad_norm) == ("no", "no", 1.0)
+    without = baselines.sft_config(tmp_path, micro_batch_size=2, steps=6, seq_len=4096, liger=True, checkpointing=False)
+    assert not without.gradient_checkpointing  # the anchor's shape: no recompute
+    assert not baselines.parse_args(["trl", "--checkpoint", "c", "--data", "d", "--seq-len", "8", "--micro-batch-size", "1",
+                                     "--steps", "2", "--no-gradient-checkpointing", "--result", "r"]).gradient_checkpointing
 
 
 def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_rows, tmp_path):
@@ -477,9 +350,12 @@ def test_sft_trainer_trains_the_pretokenized_rows_unchanged(monkeypatch, text_ro
 
 def kit_rows(tmp_path: Path, script: str, *flags: str) -> list[dict]:
     """bench/gpu_kit/<script>.py run with `flags` (in its own process: it sets the allocator before
-    torch loads), its <script>.csv read back."""
+    torch loads), its <script>.csv read back. One intra-op thread: on a loaded 2-core machine torch's
+    spinning worker threads made a tiny cut's micro-batch take 0.2–4.4 s instead of 25–55 ms, and the
+    4-layer cut time less than the 2-layer one."""
     done = subprocess.run([sys.executable, str(KIT / f"{script}.py"), "--out", str(tmp_path / "out"), "--work",
-                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return list(csv.DictReader((tmp_path / f"out/{script}.csv").open()))
 
@@ -568,3 +444,61 @@ def test_speed_terms_sort_kernels_into_the_models_terms(monkeypatch):
     assert times == pytest.approx({"matmul_ms": 0.2, "attention_ms": 0.1, "dequant_ms": 0.02, "other_ms": 0.03,
                                    "busy_ms": 0.35, "kernels": 2.5})
     assert speed_terms.parts({"host_ms": 30.0}, {"host_ms": 14.0}) == {"per layer": {"host_ms": 8.0}, "rest": {"host_ms": -2.0}}
+
+
+def test_speed_terms_cases_are_picked_by_spec_or_glob_over_the_defaults(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the import sets the allocator: undone after the test
+        monkeypatch.delenv(name, raising=False)
+    import speed_terms
+
+    assert speed_terms.chosen_cases("mistral-*,*:qlora:*,tiny:lora:32:2,qwen2.5-7b*") == [
+        "mistral-7b:lora:4096:2:ckpt", "qwen2.5-7b:qlora:2048:2", "tiny:lora:32:2"]
+    with pytest.raises(ValueError, match="'gemma-\\*' matches no default case"):
+        speed_terms.chosen_cases("gemma-*")
+    assert [c.label for c in speed_terms.parse_args(["--cases", "llama-*"]).cases] == ["llama-3.2-3b lora s1024 b1",
+                                                                                        "llama-3.2-1b lora s512 b1"]
+
+
+def test_memory_rows_are_picked_by_glob_over_their_labels(tmp_path):
+    picked = "qwen2.5-1.5b-qlora-*-b?-ckpt,*-full-s512-b4-no-ckpt"
+    result = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--rows", picked, "--models", "qwen2.5-1.5b,llama-3.2-1b",
+                             "--out", str(tmp_path), "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    labels = {memory.Row(r["model"], r["method"], int(r["seq_len"]), r["gradient_checkpointing"] == "True",
+                         int(r["micro_batch_size"])).label for r in csv.DictReader((tmp_path / "memory.csv").open())}
+    assert labels == {"qwen2.5-1.5b-qlora-s2048-b4-ckpt", "qwen2.5-1.5b-qlora-s2048-b1-ckpt", "qwen2.5-1.5b-qlora-s512-b1-ckpt",
+                      "qwen2.5-1.5b-qlora-s512-b4-ckpt", "qwen2.5-1.5b-full-s512-b4-no-ckpt", "llama-3.2-1b-full-s512-b4-no-ckpt"}
+    failed = subprocess.run([sys.executable, str(KIT / "memory.py"), "--dry-run", "--rows", "nothing-*", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and "--rows 'nothing-*' matches no row of the grid" in failed.stderr
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.gpu_kit.test_gpu" name="test_tiny_trains_on_cuda[full]" time="6.21" />
+<testcase classname="tests.gpu_kit.test_gpu" name="test_resume_on_cuda_repeats_the_uninterrupted_losses" time="9.5">
+<failure message="AssertionError: assert [3, 4] == [3]&#10;more">trace</failure></testcase>
+<testcase classname="tests.gpu_kit.test_gpu" name="test_zero2_offload_in_one_process" time="0.01">
+<skipped type="pytest.skip" message="not run: the kit's time for the GPU tests ran out first (KIT_TEST_SECONDS)">x</skipped>
+</testcase></testsuite></testsuites>"""
+
+
+def test_gpu_tests_summary_from_pytests_report_or_from_its_log(tmp_path):
+    """gpu-tests.md and .csv: one line per test from the JUnit XML; where pytest was killed before
+    writing it, from its -v log, the test it was in named as not finished."""
+    import gpu_tests
+
+    (tmp_path / "report.xml").write_text(JUNIT)
+    gpu_tests.main(["--xml", str(tmp_path / "report.xml"), "--log", str(tmp_path / "none.log"), "--out", str(tmp_path / "a")])
+    rows = list(csv.DictReader((tmp_path / "a/gpu-tests.csv").open()))
+    assert [(r["outcome"], r["seconds"]) for r in rows] == [("passed", "6.2"), ("failed", "9.5"), ("skipped", "0.0")]
+    assert rows[1]["detail"] == "AssertionError: assert [3, 4] == [3]" and rows[2]["detail"].startswith("not run: the kit's time")
+    summary = (tmp_path / "a/gpu-tests.md").read_text()
+    assert summary.startswith("`pytest -m gpu tests/gpu_kit/test_gpu.py`: 1 passed, 1 failed, 1 skipped; 16 s")
+    (tmp_path / "gpu.log").write_text("collected 11 items\n\ntests/gpu_kit/test_gpu.py::test_tiny_trains_on_cuda[full] PASSED [  9%]\n"
+                                      "tests/gpu_kit/test_gpu.py::test_fsdp2_in_one_process FAILED [ 18%]\n"
+                                      "tests/gpu_kit/test_gpu.py::test_resume_on_cuda_repeats_the_uninterrupted_losses ")
+    gpu_tests.main(["--xml", str(tmp_path / "none.xml"), "--log", str(tmp_path / "gpu.log"), "--out", str(tmp_path / "b")])
+    rows = list(csv.DictReader((tmp_path / "b/gpu-tests.csv").open()))
+    assert [(r["test"], r["outcome"]) for r in rows] == [
+        ("test_tiny_trains_on_cuda[full]", "passed"), ("test_fsdp2_in_one_process", "failed"),
+        ("test_resume_on_cuda_repeats_the_uninterrupted_losses", "not finished")]

@@ -1,5 +1,6 @@
-"""The speed model against the committed GPU measurements, the terms that carry it to other GPUs and
-models (per-chip matmul efficiency, memory-bound bytes at the GPU's bandwidth, the vocabulary, the
+"""The speed model against the committed GPU measurements (finetune's runs on an H100 and an H200, the
+H200's per-layer profile, published A100 and 8-GPU runs), the terms that carry it to other GPUs and
+models (per-GPU matmul efficiency, memory-bound bytes at the GPU's bandwidth, the vocabulary, the
 head size, kernel launches), the range and basis of every plan, and the allocator setting that
 makes reserved memory what is planned."""
 
@@ -18,26 +19,31 @@ from finetune.cli import main as cli_main
 from finetune.config.switches import chunk_tokens
 from finetune.models import catalog
 from finetune.plan import gpus
-from finetune.plan.memory import estimate
+from finetune.plan.memory import GIB, estimate
 from finetune.plan.speed import (
     CALIBRATION,
-    CHUNK_KERNELS,
     LAYER_ISSUE_RELATIVE,
+    LOSS_CHUNK_ISSUE_RELATIVE,
     estimate_speed,
     gpu_seconds,
     issue_seconds,
     memory_bytes_per_s,
     micro_batch_seconds,
+    update_seconds,
 )
 from finetune.plan.speed_range import LIKELY_Z, MEASURED, MEASURED_ARCHITECTURES, SPREAD, UNMEASURED_SPREAD
-from finetune.plan.traffic import LOSS_BYTES, layer_kernels, traffic
+from finetune.plan.traffic import LOSS_BYTES, traffic
 from finetune.plan.workload import Workload
 
 sys.path.insert(0, str(REPO / "bench"))
+import speed_data  # noqa: E402
 import speed_fit  # noqa: E402
 
 ROWS = speed_fit.all_rows(sorted(speed_fit.MEASURED.glob("*.csv")))
+CASES = speed_fit.term_rows(speed_fit.TERMS)
 FITTED = [r for r in ROWS if speed_fit.fitted(r)]
+SINGLE = [r for r in FITTED if not speed_fit.multi_gpu(r)]
+PUBLISHED_8_GPUS = [r for r in FITTED if speed_fit.multi_gpu(r)]
 
 
 def one_gpu(**overrides) -> Workload:
@@ -54,30 +60,87 @@ def tokens_per_second(**overrides) -> float:
 GPU_BOUND = dict(model=catalog.get("mistral-7b"), seq_len=4096, micro_batch_size=2, gradient_checkpointing=True)
 
 
-def test_the_committed_measurements_cover_models_methods_shapes_and_two_chips():
+def test_the_committed_measurements_cover_models_methods_shapes_and_three_gpus():
     own = [r for r in FITTED if r["framework"] == "finetune"]
-    assert len(own) >= 8 and {r["method"] for r in own} == {"full", "lora", "qlora"}
+    assert len(own) >= 12 and {r["method"] for r in own} == {"full", "lora", "qlora"}
     assert {r["seq_len"] for r in own} >= {"512", "2048", "4096"}
+    assert {r["loss"] for r in own if r["device"] == "H200"} == {"finetune-chunked", "liger"}
     published = [r for r in FITTED if r["framework"] == "llamafactory"]
     assert [int(r["seq_len"]) for r in published] == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert [r["case"] for r in PUBLISHED_8_GPUS] == ["M13", "M15", "M26", "M27"]
     assert {speed_fit.chip_of(r) for r in FITTED} == {"H100", "A100"}
+    assert {r["device"] for r in own} == {"H100-80GB", "H200"} and set(CALIBRATION.matmul_efficiency) >= {"H100-80GB", "H200"}
+    assert len(CASES) == 4 and all(case["per layer"]["busy_ms"] > 0 for case in CASES)
     assert all(r["device"] and r["model"] and r["tokens_per_second"] for r in ROWS)
 
 
 def row_id(r: dict) -> str:
-    return f"{r['device']}-{r['model'].split('/')[-1]}-{r['method']}-s{r['seq_len']}-b{r['micro_batch_size']}"
+    return (f"{r['device']}-{r['model'].split('/')[-1]}-{r['method']}-s{r['seq_len']}-b{r['micro_batch_size']}"
+            f"-{r.get('loss', '')}-ckpt{r.get('gradient_checkpointing_layers') or r['gradient_checkpointing']}")
 
 
-@pytest.mark.parametrize("row", FITTED, ids=row_id)
+@pytest.mark.parametrize("row", SINGLE, ids=row_id)
 def test_planned_tokens_per_second_within_25_percent_of_every_fitted_row(row):
     assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=speed_fit.TOLERANCE)
 
 
+def inside_likely_range(row: dict) -> bool:
+    likely, planned = estimate_speed(speed_fit.workload_of(row)).likely, speed_fit.planned(row)
+    return planned * likely.low <= float(row["tokens_per_second"]) <= planned * likely.high
+
+
+def test_the_likely_ranges_hold_what_was_measured():
+    """A likely range is the central 80 % of the cross-validated error: it holds at least that share of
+    the single-GPU rows (all but LLaMA-Factory's 16k row, which runs faster than its 8k and 32k
+    neighbours), and every H200 row and every published 8-GPU row."""
+    inside = [inside_likely_range(r) for r in SINGLE]
+    assert sum(inside) >= 0.8 * len(inside)
+    assert all(inside_likely_range(r) for r in SINGLE + PUBLISHED_8_GPUS if r["device"] == "H200" or speed_fit.multi_gpu(r))
+
+
+H200_ROWS = [r for r in SINGLE if r["device"] == "H200"]
+
+
+@pytest.mark.parametrize("row", H200_ROWS, ids=row_id)
+def test_the_h200_rows_are_planned_within_10_percent_in_speed_and_allocated_memory(row):
+    """finetune's four Mistral-7B LoRA s4096 b2 runs on the H200 (every layer or 1 of 32 recomputed, the
+    chunked loss or Liger's), as the GPU kit posed them (throughput.py): 0.81 of plan before the H200
+    joined the fit, and Liger's run with 31 layers keeping activations 9.5 % under its planned memory."""
+    assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=0.10)
+    assert estimate(speed_fit.workload_of(row)).allocated / GIB == pytest.approx(float(row["allocated_gib"]), rel=0.10)
+
+
+def test_the_published_moe_and_context_parallel_runs_are_planned_near_their_published_speed():
+    """The four 8-GPU runs (prime-rl's Qwen3-30B-A3B LoRA and full FSDP2 at 16k; torchtitan's Llama-3.1-8B
+    at CP 1 / 32k and CP 2 / 64k): planned ÷ published had a median of ×1.8 with this posing before the
+    expert and attention terms; now within 0.8–1.25, each within 30 %."""
+    ratios = sorted(speed_fit.planned(r) / float(r["tokens_per_second"]) for r in PUBLISHED_8_GPUS)
+    assert 0.8 <= (ratios[1] + ratios[2]) / 2 <= 1.25
+    assert all(0.7 < ratio < 1.3 for ratio in ratios)
+
+
+def test_the_kits_two_layer_cuts_are_planned_though_not_fitted():
+    """bench/gpu_kit/defaults.py on the H200: Mistral-7B and Llama-3.1-8B cut to 2 layers. LoRA and QLoRA
+    at 4096 × 2 with the model's own loss, the chunked loss and Liger's (GPU-bound): within 10 %;
+    Mistral's (a masked attention) were 11–19 % under before its sliding window was a term. Full
+    fine-tuning at 512 × 1 (the host's clock, whose fitted cost per layer is the H100 host's): within
+    25 %, and foreach AdamW's extra time over fused (7.8 and 16.2 ms measured) within 10 %."""
+    cases = {case["case"]: case for case in speed_data.default_cases()}
+    planned = {name: 1000 * update_seconds(speed_fit.workload_of(case, 2)) for name, case in cases.items()}
+    assert len(cases) == 16
+    for name, case in cases.items():
+        assert planned[name] == pytest.approx(case["ms_per_update"], rel=0.25 if case["method"] == "full" else 0.10), name
+    for shape in ("mistral-7b", "llama-3.1-8b"):
+        foreach, fused = f"{shape} full foreach", f"{shape} full fused"
+        extra = cases[foreach]["ms_per_update"] - cases[fused]["ms_per_update"]
+        assert planned[foreach] - planned[fused] == pytest.approx(extra, rel=0.10)
+
+
 def test_liger_speedup_follows_from_the_bytes_its_kernels_save():
     """No Liger coefficient: fusing the norm, rotary embedding, SwiGLU and loss removes bytes, and the
-    planned speed-up is within 5 % of TRL's two measured pairs."""
+    planned speed-up is within 5 % of TRL's three measured pairs (H100 LoRA and QLoRA, H200 LoRA)."""
     pairs = speed_fit.liger_pairs(ROWS)
-    assert len(pairs) == 2 and "liger" not in {f.name for f in fields(CALIBRATION)}
+    assert len(pairs) == 3 and "liger" not in {f.name for f in fields(CALIBRATION)}
     for off, on in pairs:
         measured = float(on["tokens_per_second"]) / float(off["tokens_per_second"])
         assert speed_fit.planned(on) / speed_fit.planned(off) == pytest.approx(measured, rel=0.05)
@@ -86,7 +149,7 @@ def test_liger_speedup_follows_from_the_bytes_its_kernels_save():
 
 
 def test_refitting_the_committed_measurements_gives_the_committed_coefficients():
-    refit = speed_fit.fit(ROWS)
+    refit = speed_fit.fit(ROWS, CASES)
     for field in fields(CALIBRATION):
         ours, theirs = getattr(refit, field.name), getattr(CALIBRATION, field.name)
         if isinstance(ours, dict):
@@ -95,20 +158,35 @@ def test_refitting_the_committed_measurements_gives_the_committed_coefficients()
         else:
             assert ours == pytest.approx(theirs, rel=0.02), field.name
     assert all(0 < v <= speed_fit.CEILING["matmul_efficiency"] for v in refit.matmul_efficiency.values())
-    assert 0 < refit.memory_efficiency <= 1 and 0 < refit.attention_speed <= 1
+    assert 0 < refit.memory_efficiency <= 1 and all(0 < v <= 1 for v in refit.attention_speed.values())
+    assert 0 < refit.masked_attention_speed <= 1
+
+
+def test_the_profiled_layers_are_planned_class_by_class():
+    """The H200 profile of four cuts (fitted): per decoder layer, the GPU's busy time within 20 % and
+    each kernel class within 45 % (before: busy planned at 2× measured, the other kernels 3.2×, from
+    11.5 µs of GPU time per kernel); the host's issue time per layer (a check) within 35 %."""
+    for case in CASES:
+        plan, measured = speed_fit.per_layer(case, CALIBRATION), case["per layer"]
+        assert sum(plan.values()) == pytest.approx(measured["busy_ms"], rel=0.20), case["case"]
+        for k in ("matmul", "attention", "other"):
+            assert plan[k] == pytest.approx(measured[f"{k}_ms"], rel=0.45), (case["case"], k)
+        host = [issue_seconds(speed_fit.workload_of(case, n), CALIBRATION) for n in speed_data.CUTS]
+        assert 1000 * (host[1] - host[0]) / 2 == pytest.approx(measured["host_ms"], rel=0.35), case["case"]
+    assert CALIBRATION.kernel_gpu_s < 5e-6
 
 
 def test_the_committed_shape_families_are_the_measured_ones():
     assert {chip: set(families) for chip, families in MEASURED.items()} == \
         {chip: set(families) for chip, families in speed_fit.measured_families(ROWS).items()}
-    assert set(MEASURED) == set(CALIBRATION.matmul_efficiency)
+    assert set(MEASURED) == set(CALIBRATION.chips)
     assert MEASURED_ARCHITECTURES == speed_fit.measured_architectures(ROWS)
 
 
 @pytest.mark.slow
 def test_the_committed_spreads_are_the_cross_validated_errors():
     """~40 refits (leave one row, one shape family, one chip out): the spreads every range rests on."""
-    spreads = speed_fit.spreads(speed_fit.cross_validation(ROWS))
+    spreads = speed_fit.spreads(ROWS, speed_fit.cross_validation(ROWS, CASES))
     assert spreads == pytest.approx(SPREAD, abs=0.01)
     assert spreads["measured"] <= spreads["chip"]
 
@@ -162,15 +240,20 @@ def test_compile_helps_launch_bound_shapes_and_liger_gpu_bound_ones():
     assert estimate(one_gpu(**GPU_BOUND, loss="liger")).activations < estimate(one_gpu(**GPU_BOUND)).activations
 
 
-def test_each_chip_has_its_matmul_efficiency_and_each_gpu_its_bandwidth():
-    """An A100 reaches a larger share of its peak than an H100; an H200 is an H100 chip with more
-    bandwidth (faster on the same work); a chip never measured takes the measured chips' geometric mean."""
+def test_each_gpu_has_its_matmul_efficiency_each_chip_its_attention_and_each_gpu_its_bandwidth():
+    """Each GPU measured has its own matmul efficiency (the H200 ran the same TRL step 7–13 % slower
+    than the H100 though it has 1.4× the bandwidth); a GPU never measured takes its chip's measured GPUs,
+    or every measured GPU when its chip is new. Flash attention's speed is the chip's (FlashAttention 2,
+    written for Ampere, runs at a smaller share of a Hopper's matmul rate than of an A100's)."""
     efficiency = CALIBRATION.matmul_efficiency
-    assert efficiency["A100"] > efficiency["H100"]
-    h100, h200 = one_gpu(**GPU_BOUND), one_gpu(**GPU_BOUND, gpu=gpus.get("H200"))
-    assert gpu_seconds(h200, CALIBRATION) < gpu_seconds(h100, CALIBRATION)
-    assert memory_bytes_per_s(h200) == 4.8e12 and gpus.get("H200").chip == "H100"
-    assert CALIBRATION.efficiency("L40S") == pytest.approx(math.sqrt(efficiency["A100"] * efficiency["H100"]))
+    assert efficiency["H200"] < efficiency["H100-80GB"]
+    assert CALIBRATION.attention("H100") < CALIBRATION.attention("A100")
+    assert memory_bytes_per_s(one_gpu(gpu=gpus.get("H200"))) == 4.8e12 and gpus.get("H200").chip == "H100"
+    assert CALIBRATION.efficiency(gpus.get("A100-80GB")) == efficiency["A100-40GB"]
+    assert CALIBRATION.efficiency(gpus.by_memory(79.6)) == efficiency["H100-80GB"]  # planned like the H100 80GB
+    assert CALIBRATION.efficiency(gpus.get("L40S")) == pytest.approx(math.prod(efficiency.values()) ** (1 / len(efficiency)))
+    assert CALIBRATION.attention("L40S") == pytest.approx(math.prod(CALIBRATION.attention_speed.values()) ** 0.5)
+    assert set(CALIBRATION.chips) == {"A100", "H100"}
     assert all(g.memory_tb_per_s > 0 and g.chip for g in gpus.GPUS.values())
 
 
@@ -183,20 +266,20 @@ def test_a_larger_vocabulary_costs_its_loss_bytes_and_head_flops():
     added_vocab = 152064 - small.model.vocab_size
     tokens, h = small.tokens_per_micro_batch, small.model.hidden_size
     flops = 2 * h * added_vocab * 2  # the head's forward and its input gradient (frozen head under LoRA)
-    rate = small.gpu.bf16_tflops * 1e12 * CALIBRATION.efficiency("H100")
+    rate = small.gpu.bf16_tflops * 1e12 * CALIBRATION.efficiency(small.gpu)
     loss_seconds = tokens * added_vocab * LOSS_BYTES["eager"] / (memory_bytes_per_s(small) * CALIBRATION.memory_efficiency)
     assert gpu_seconds(large, CALIBRATION) - gpu_seconds(small, CALIBRATION) == pytest.approx(
         tokens * flops / rate + loss_seconds, rel=1e-6)
     chunked_small, chunked_large = replace(small, loss="finetune-chunked"), replace(large, loss="finetune-chunked")
     chunks = math.ceil(tokens / chunk_tokens(152064)) - math.ceil(tokens / chunk_tokens(32000))
-    per_kernel = CALIBRATION.layer_issue_s / layer_kernels(small.model)
     assert issue_seconds(chunked_large, CALIBRATION) - issue_seconds(chunked_small, CALIBRATION) == pytest.approx(
-        chunks * CHUNK_KERNELS * per_kernel)
+        chunks * LOSS_CHUNK_ISSUE_RELATIVE * CALIBRATION.layer_issue_s)
     assert estimate_speed(large).tokens_per_second < estimate_speed(small).tokens_per_second
 
 
 def test_small_heads_run_attention_slower_at_the_same_width():
-    wide = one_gpu(**(GPU_BOUND | dict(seq_len=16384, micro_batch_size=1)))
+    flash = replace(GPU_BOUND["model"], sliding_window=None)  # no mask: SDPA's flash kernel
+    wide = one_gpu(**(GPU_BOUND | dict(model=flash, seq_len=16384, micro_batch_size=1)))
     halved = replace(wide, model=replace(wide.model, num_heads=64, num_kv_heads=16, head_dim=64))
     assert wide.model.num_heads * wide.model.resolved_head_dim == halved.model.num_heads * halved.model.resolved_head_dim
     assert gpu_seconds(halved, CALIBRATION) > gpu_seconds(wide, CALIBRATION)
