@@ -393,7 +393,8 @@ def allocator_workload(row: dict) -> Workload:
                     strategy="single", offload="none", precision=row["precision"], optimizer="adamw",
                     micro_batch_size=int(row["micro_batch_size"]), seq_len=int(row["seq_len"]),
                     gradient_checkpointing=layers != "none", checkpointed_layers=None if layers in ("all", "none") else int(layers),
-                    loss=row["loss"], fused_optimizer=row["fused_adamw"] == "true")
+                    loss=row["loss"], fused_optimizer=row["fused_adamw"] == "true",
+                    inert_window_kept=row["inert_window"] == "kept")
 
 
 def print_reserved(rows: list[dict]) -> None:

@@ -11,7 +11,11 @@ Four kinds of measurement (finetune/plan/calibration/, README.md there says wher
   busy time by kernel class and the host's issue time, and the rest (embedding, head, loss).
 
 Rows are dicts in the measured files' columns (multi-GPU rows add `gpus`, `strategy`, `cp`,
-`gradient_accumulation_steps`); `workload_of` turns any of them into the planner's Workload.
+`gradient_accumulation_steps`); `workload_of` turns any of them into the planner's Workload. A row's
+`inert_window` is "kept" where the run kept a sliding window as long as its rows, with the mask
+transformers builds for it (Workload.inert_window_kept): measured/*.csv say so per row; the defaults
+file's runs (the GPU kit at 2a8c76e, before train.speedups switched such a window off) and the
+profile's cuts (no train.speedups) kept it.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ POSES = {
     "M26": dict(model="llama-3.1-8b", device="H100-80GB", method="full", lora_targets="all-linear", loss="transformers", cp="1"),
     "M27": dict(model="llama-3.1-8b", device="H100-80GB", method="full", lora_targets="all-linear", loss="transformers", cp="2"),
 }
-# The profile's cases ran the trainer's pieces without train.speedups: the model's own loss
-# (bench/gpu_kit/speed_terms.py), bf16-mixed for full fine-tuning, bf16-true for LoRA and QLoRA.
+# The profile's cases ran the trainer's pieces without train.speedups: the model's own loss and any
+# sliding window kept (bench/gpu_kit/speed_terms.py), bf16-mixed for full fine-tuning, bf16-true for LoRA
+# and QLoRA.
 TERM_CASE = re.compile(r"(?P<model>\S+) (?P<method>\w+) s(?P<seq>\d+) b(?P<micro>\d+)(?P<ckpt> ckpt)?")
 CUTS = (2, 4)
 
@@ -95,7 +100,8 @@ def term_rows(path: Path = TERMS) -> list[dict]:
             "case": r["case"], "file": path.name, "framework": "finetune", "device": "H200", "model": m["model"],
             "method": m["method"], "precision": "bf16-mixed" if m["method"] == "full" else "bf16-true",
             "seq_len": m["seq"], "micro_batch_size": m["micro"], "gradient_checkpointing": "true" if m["ckpt"] else "false",
-            "lora_r": "16", "lora_targets": "all-linear", "liger": "off", "loss": "transformers", "compile": "off"})
+            "lora_r": "16", "lora_targets": "all-linear", "liger": "off", "loss": "transformers", "compile": "off",
+            "inert_window": "kept"})
         case[r["part"]] = {key[len("measured_"):]: float(value) for key, value in r.items()
                            if key.startswith("measured_") and value}
     return list(cases.values())
@@ -115,6 +121,7 @@ def workload_of(row: dict, layers: int | None = None) -> Workload:
         lora_targets=row["lora_targets"], cp=int(row.get("cp") or 1),
         loss=row.get("loss") or ("liger" if row["liger"] == "on" else "transformers"),
         fused_optimizer=row.get("fused_adamw") == "true", compile=row["compile"] == "on",
+        inert_window_kept=row.get("inert_window") == "kept",
     )
 
 
@@ -142,5 +149,6 @@ def default_cases(path: Path = DEFAULTS) -> list[dict]:
              "seq_len": "512" if r["method"] == "full" else "4096", "micro_batch_size": "1" if r["method"] == "full" else "2",
              "gradient_checkpointing": "false", "lora_r": "16", "lora_targets": "all-linear", "liger": "off",
              "loss": "transformers" if r["method"] == "full" else r["variant"], "compile": "off",
-             "fused_adamw": "false" if r["variant"] == "foreach" else "true", "ms_per_update": float(r["ms_per_update"])}
+             "fused_adamw": "false" if r["variant"] == "foreach" else "true", "inert_window": "kept",
+             "ms_per_update": float(r["ms_per_update"])}
             for r in found]

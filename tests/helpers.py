@@ -20,18 +20,19 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
+def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32,
+               overrides: dict | None = None):
     """The catalog entry `name` shrunk by `families.shrink` (2 layers of width 32 unless asked otherwise;
-    same class, same module names), seeded: rehearse shrinks real models the same way. The one meaning
-    of "tiny model" in the tests; `tiny_model_dir` saves one (`--model tiny` itself is the catalog's
-    entry at its own width, 128)."""
+    same class, same module names; `overrides`: config fields set on top, a sliding window), seeded:
+    rehearse shrinks real models the same way. The one meaning of "tiny model" in the tests;
+    `tiny_model_dir` saves one (`--model tiny` itself is the catalog's entry at its own width, 128)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.models.catalog import get
     from finetune.models.families import attention_implementation, shrink
 
-    config = shrink(get(name).to_hf_config_dict(), layers, hidden, overrides={"vocab_size": vocab_size})
+    config = shrink(get(name).to_hf_config_dict(), layers, hidden, overrides={"vocab_size": vocab_size, **(overrides or {})})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config),
                                             attn_implementation=attention_implementation(config["model_type"]))

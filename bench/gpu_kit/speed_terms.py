@@ -18,7 +18,8 @@ records, per micro-batch:
 - from torch.profiler's trace of a few more micro-batches, the GPU's busy time by kernel class
   (matmul, attention, 4-bit dequantization, the rest: memory-bound kernels) and the kernel count,
 
-each beside what the planner plans for exactly that cut (`from_run`, `gpu_terms`, `issue_seconds`).
+each beside what the planner plans for exactly that cut as it runs (`from_run` with the model's own loss
+and its sliding window kept, `kernel_classes`, `issue_seconds`).
 The held-out shapes come first, then two anchors the fit already rests on (Llama-3.2-1B LoRA at
 seq 512, Mistral-7B LoRA at 4096 × 2 with checkpointing). Writes DIR/speed_terms.md (device, date,
 versions, command) and DIR/speed_terms.csv after every case; exits 0 unless a case failed. On CPU
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,9 +54,8 @@ from finetune.config.options import TrainConfig  # noqa: E402
 from finetune.config.resolve import Launch, resolve_run  # noqa: E402
 from finetune.plan.speed import (  # noqa: E402
     CALIBRATION,
-    dequantization_seconds,
-    gpu_terms,
     issue_seconds,
+    kernel_classes,
     micro_batch_seconds,
     optimizer_seconds,
 )
@@ -103,14 +103,13 @@ class Case:
 
 
 def planned(run, gpu) -> dict[str, float]:
-    """The plan of one cut's micro-batch, in the measured columns (ms; kernels of the decoder layers)."""
-    w = from_run(run, gpu)
-    terms = gpu_terms(w, CALIBRATION)
-    dequant = dequantization_seconds(w)[1]
-    issue, busy = issue_seconds(w, CALIBRATION), sum(terms.values())
+    """The plan of one cut's micro-batch as it runs here, in the measured columns (ms; kernels of the
+    decoder layers): without train.speedups, so with the model's own loss and any sliding window kept."""
+    w = replace(from_run(run, gpu), loss="transformers", inert_window_kept=True)
+    classes = kernel_classes(w, CALIBRATION)
+    issue, busy = issue_seconds(w, CALIBRATION), sum(classes.values())
     ms = {"host_ms": issue, "wall_ms": micro_batch_seconds(issue, busy, CALIBRATION), "step_ms": optimizer_seconds(w),
-          "busy_ms": busy, "matmul_ms": terms["matmul"], "attention_ms": terms["attention"], "dequant_ms": dequant,
-          "other_ms": terms["memory-bound"] - dequant + terms["kernel launches"]}
+          "busy_ms": busy, **{f"{name}_ms": seconds for name, seconds in classes.items()}}
     return {key: 1000 * value for key, value in ms.items()} | {"kernels": kernel_launches(w)}
 
 

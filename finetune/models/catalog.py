@@ -90,10 +90,15 @@ class ModelSpec:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
-    def masks_attention(self, seq_len: int) -> bool:
-        """Whether transformers passes SDPA an explicit mask for rows of `seq_len` tokens: a sliding
-        window no longer than the row (its masking_utils skip the mask only for shorter rows)."""
-        return self.sliding_window is not None and seq_len >= self.sliding_window
+    def masks_attention(self, seq_len: int, inert_window_kept: bool = False) -> bool:
+        """Whether SDPA gets an explicit mask for rows of `seq_len` tokens because of a sliding window:
+        one shorter than the row. A window as long as the row masks nothing (query i sees key j when
+        i − j < window), but transformers' masking_utils still build its mask (they skip it only for
+        shorter rows); the trainer switches such a window off (train/sliding_window.py), a run that
+        kept it (`inert_window_kept`: transformers alone, TRL) has its mask."""
+        if self.sliding_window is None:
+            return False
+        return seq_len >= self.sliding_window if inert_window_kept else seq_len > self.sliding_window
 
     def to_hf_config_dict(self) -> dict:
         """The config.json fields transformers needs to build this architecture (Gemma 3: the

@@ -281,7 +281,7 @@ def attention_bytes(w: Workload) -> int:
 
 def dense_mask_bytes(w: Workload) -> float:
     """Bytes per token a decoder layer saves of the explicit mask SDPA gets (Workload.masked_sdpa: packed
-    rows, or a sliding window no longer than the row): SDPA converts the boolean micro × s × s mask
+    rows, or a sliding window shorter than the row): SDPA converts the boolean micro × s × s mask
     to the query's dtype and saves that copy for backward."""
     return attention_bytes(w) * w.seq_len if w.masked_sdpa else 0.0
 

@@ -9,10 +9,10 @@ One GPU's time per micro-batch combines two clocks that run side by side:
   matmul FLOPs at the achieved fraction of the GPU's dense peak fitted for each GPU measured; a
   mixture of experts' grouped matmuls, slower the fewer tokens each expert gets; attention FLOPs by
   kernel (flash at a fitted share of the matmul rate per chip; SDPA's kernel for an explicit mask, as
-  a sliding window makes transformers pass, over every score; eager), head size and sequence length;
-  memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations, LoRA branches, the
-  loss over the vocabulary, 4-bit dequantization, context parallelism's merges) at the fitted
-  fraction of the GPU's datasheet memory bandwidth; and a fixed GPU time per kernel launched
+  a sliding window shorter than the row makes transformers pass, over every score; eager), head size
+  and sequence length; memory-bound bytes (plan/traffic.py: norms, rotary embeddings, activations,
+  LoRA branches, the loss over the vocabulary, 4-bit dequantization, context parallelism's merges) at
+  the fitted fraction of the GPU's datasheet memory bandwidth; and a fixed GPU time per kernel launched
   (launch and tail). `kernel_classes` regroups them as a profiler sorts kernels.
 Small shapes are bound by the host (a 1B LoRA at seq 512 spends about the same time per update on
 an H100 whatever its FLOPs: bench/RESULTS.md, *Speed model*), large ones by the GPU. The two overlap
@@ -55,7 +55,6 @@ from finetune.plan.traffic import (
     dequantizations,
     dequantized_bytes,
     kernel_launches,
-    layer_kernels,
     matmul_kernels,
     traffic,
 )
@@ -127,12 +126,17 @@ LAYER_ISSUE_RELATIVE = {"llama": 1.0, "mistral": 1.01, "qwen2": 1.04, "qwen3": 1
 # 58 of 145 ms); checkpointing runs the forward again in the backward.
 FORWARD_SHARE = 0.4
 # The host's time to issue one chunk of the chunked loss (train/chunked_loss.py: the head's matmul,
-# the fp32 softmax passes, the gradient's scatter and cast, the gradient matmuls: ~17 plain tensor
-# calls, no modules, hooks or autograd nodes), relative to a Llama decoder layer's forward + backward:
+# the fp32 softmax passes, the gradient's scatter and cast, the gradient matmuls: LOSS_CHUNK_CALLS plain
+# tensor calls, no modules, hooks or autograd nodes), relative to a Llama decoder layer's forward + backward:
 # measured on this CPU's width-64 cuts by `python bench/layer_issue.py` (bench/RESULTS.md, *Layer issue
 # by model code*: 0.013 and 0.017 in two runs). The old count, 18 kernels at a layer's cost per kernel,
 # made a chunk 0.16 of a layer.
 LOSS_CHUNK_ISSUE_RELATIVE = 0.015
+# The host's time for one plain tensor call outside any module (no hooks, no module dispatch), relative
+# to a Llama decoder layer's forward + backward: a chunk of the chunked loss over its calls. What --fp8's
+# casts (train/fp8.py: plain calls inside an autograd function) cost the host per kernel.
+LOSS_CHUNK_CALLS = 17
+TENSOR_CALL_ISSUE_RELATIVE = LOSS_CHUNK_ISSUE_RELATIVE / LOSS_CHUNK_CALLS
 # Flash attention at head size 64 runs at this fraction of its head-size-128 rate (FlashAttention-2's
 # kernel benchmarks: smaller tiles, the same memory traffic per FLOP). ASSUMED, not fitted.
 SMALL_HEAD_ATTENTION = 0.85
@@ -377,8 +381,8 @@ def issue_seconds(w: Workload, c: Calibration) -> float:
     passes = 1 + FORWARD_SHARE * w.recompute_share
     layer_s = c.layer_issue_s * LAYER_ISSUE_RELATIVE.get(w.model.model_type, 1.0)
     per_pass = (layers * layer_s + adapted * c.adapter_issue_s) * (COMPILED_ISSUE if w.compile else 1.0)
-    # --fp8's casts at a decoder layer's issue time per kernel, compiled or not
-    fp8_issue = fp8_kernels(w) * c.layer_issue_s / layer_kernels(w.model) * (COMPILED_ISSUE if w.compile else 1.0)
+    # --fp8's casts: plain tensor calls, each at the chunked loss's measured cost per call
+    fp8_issue = fp8_kernels(w) * TENSOR_CALL_ISSUE_RELATIVE * c.layer_issue_s * (COMPILED_ISSUE if w.compile else 1.0)
     return passes * per_pass + dequantizations(w) * c.dequant_issue_s + loss_issue_seconds(w, c) + fp8_issue
 
 
@@ -456,7 +460,7 @@ def gpu_seconds(w: Workload, c: Calibration) -> float:
 def attention_cost(w: Workload, c: Calibration) -> float:
     """Seconds of attention per causal attention FLOP, in matmul-FLOP seconds. Flash kernels (SDPA
     without a mask, flex) skip the masked half at the chip's fitted speed, slower for small heads; an
-    explicit mask (Workload.masked_sdpa: packed rows, or a sliding window no longer than the row) sends SDPA
+    explicit mask (Workload.masked_sdpa: packed rows, or a sliding window shorter than the row) sends SDPA
     to its memory-efficient kernel, which computes every score at its own fitted speed; eager attention
     computes every score with two batched matmuls at the matmul rate (the s² scores it writes are
     memory traffic, plan/traffic.py)."""

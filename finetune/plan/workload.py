@@ -62,6 +62,9 @@ class Workload:
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
     fp8: bool = False  # LoRA's frozen base linears in float8 matmuls (--fp8, train/fp8.py): plan.memory, plan.speed
+    # a sliding window as long as the rows keeps its explicit mask, as transformers builds it (TRL, the
+    # GPU kit's profile); finetune's trainer switches it off (ModelSpec.masks_attention)
+    inert_window_kept: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
@@ -72,10 +75,10 @@ class Workload:
 
     @property
     def masked_sdpa(self) -> bool:
-        """SDPA gets an explicit micro × s × s mask: packed rows (`dense_mask`), or a sliding window no
-        longer than the row (ModelSpec.masks_attention). It converts the mask in every layer and runs its
+        """SDPA gets an explicit micro × s × s mask: packed rows (`dense_mask`), or a sliding window
+        shorter than the row (ModelSpec.masks_attention). It converts the mask in every layer and runs its
         memory-efficient kernel over every score (plan.memory, plan.speed; plan.traffic for packed rows)."""
-        return self.attention == "sdpa" and (self.dense_mask or self.model.masks_attention(self.seq_len))
+        return self.attention == "sdpa" and (self.dense_mask or self.model.masks_attention(self.seq_len, self.inert_window_kept))
 
     @property
     def world_size(self) -> int:

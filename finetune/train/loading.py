@@ -25,7 +25,7 @@ from finetune.config.resolve import ResolvedRun
 from finetune.errors import FinetuneError
 from finetune.models import catalog, families, gguf_import
 from finetune.models.source import ModelSource
-from finetune.train import chunked_loss
+from finetune.train import chunked_loss, sliding_window
 
 
 def materialize(model: ModelSource, seed: int = 0) -> str:
@@ -246,6 +246,7 @@ def build_skeleton(run: ResolvedRun):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if run.switches(chunked_loss.head_problem(base)).chunked_loss:  # as train.speedups installs it
         chunked_loss.install(base)
+    sliding_window.switch_off_inert_window(base, run.config.max_seq_len)  # as train.speedups does
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         give_fake_storage(model)

@@ -1,9 +1,10 @@
 """Speed switches applied to a loaded model before `accelerator.prepare`: Liger kernels, the chunked
 loss, float8 matmuls for LoRA's frozen base (train/fp8.py), regional compilation of the decoder blocks
-(LoRA adapters and float8 matmuls inside them), the attention kernel. Each one that cannot apply (CPU, an
-architecture Liger does not cover, a package not installed or not importing) says so in one line and the
-run goes on without it; numerically each is the plain path (tests/train/test_speedups.py,
-tests/train/test_chunked_loss.py on CPU). Liger, the chunked loss and fused AdamW resolve in
+(LoRA adapters and float8 matmuls inside them), the attention kernel, and a sliding window no row reaches
+switched off (train/sliding_window.py). Each one that cannot apply (CPU, an architecture Liger does not
+cover, a package not installed or not importing) says so in one line and the run goes on without it;
+numerically each is the plain path (tests/train/test_speedups.py, tests/train/test_chunked_loss.py,
+tests/train/test_sliding_window.py on CPU). Liger, the chunked loss and fused AdamW resolve in
 config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
 
 Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
@@ -32,7 +33,7 @@ from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
 from finetune.config.switches import FLATTENING_ATTENTIONS, Switches, liger_function, resolve_switches
 from finetune.errors import ConfigError
-from finetune.train import chunked_loss, fp8, packed_attention
+from finetune.train import chunked_loss, fp8, packed_attention, sliding_window
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say:
         packed_attention.register()
     if chosen.attention != "sdpa":
         base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
+    window = sliding_window.switch_off_inert_window(base, config.max_seq_len)
+    if window:
+        say(window)
     fp8_text = ""
     if chosen.fp8:  # before compiling, so the compiled blocks hold the float8 matmuls
         replaced, kept = fp8.install(model)

@@ -13,7 +13,15 @@ from finetune.plan import gpus
 from finetune.plan.choose import Request, plan
 from finetune.plan.files import train_flags
 from finetune.plan.memory import estimate
-from finetune.plan.speed import CALIBRATION, gpu_terms, issue_seconds
+from finetune.plan.speed import (
+    CALIBRATION,
+    LOSS_CHUNK_CALLS,
+    LOSS_CHUNK_ISSUE_RELATIVE,
+    fp8_kernels,
+    gpu_terms,
+    issue_seconds,
+)
+from finetune.plan.traffic import layer_kernels
 from finetune.plan.workload import Workload
 
 LLAMA_8B = catalog.get("llama-3.1-8b")
@@ -55,11 +63,16 @@ def test_the_frozen_base_matmuls_move_to_their_own_term_at_the_fp8_rate():
 
 
 def test_eager_casts_cost_the_host_time_compiled_blocks_save():
-    """Each cast is a handful of kernels per linear: eager, the host issues them one by one."""
+    """Each cast is a handful of kernels per linear: eager, the host issues them one by one, each a
+    plain tensor call at the chunked loss's measured cost per call (a chunk's share of a layer over its
+    calls), not at a decoder layer's cost per kernel (its modules and hooks included), 10× more."""
     w = anchor()
     eager = issue_seconds(replace(w, fp8=True), CALIBRATION) - issue_seconds(w, CALIBRATION)
     compiled = issue_seconds(replace(w, fp8=True, compile=True), CALIBRATION) - issue_seconds(replace(w, compile=True), CALIBRATION)
     assert 0 < compiled < eager / 2
+    kernels = fp8_kernels(replace(w, fp8=True))
+    assert eager == pytest.approx(kernels * LOSS_CHUNK_ISSUE_RELATIVE / LOSS_CHUNK_CALLS * CALIBRATION.layer_issue_s)
+    assert eager < kernels * CALIBRATION.layer_issue_s / layer_kernels(LLAMA_8B) / 5
 
 
 def request(**overrides) -> Request:

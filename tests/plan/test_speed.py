@@ -95,18 +95,24 @@ def lora(**overrides) -> Workload:
     return Workload(**(fields | overrides))
 
 
-def test_a_sliding_window_as_long_as_the_row_sends_attention_to_the_masked_kernel():
-    """Mistral-7B v0.1's 4096-token window: at 4096 tokens transformers hands SDPA a mask, so attention
-    computes every score at the masked kernel's fitted speed, and every layer keeps the mask cast to 16
-    bits (2 bytes × seq per token); one token shorter, flash attention skips the masked half."""
-    masked, flash = lora(), lora(seq_len=4095)
-    assert masked.model.masks_attention(4096) and not masked.model.masks_attention(4095)
-    per_token = [gpu_terms(w, CALIBRATION)["attention"] / w.tokens_per_micro_batch for w in (masked, flash)]
+def test_a_sliding_window_shorter_than_the_row_sends_attention_to_the_masked_kernel():
+    """Mistral-7B v0.1's 4096-token window. At 4096 tokens it masks nothing, and the trainer switches it
+    off (train/sliding_window.py): flash attention skips the masked half. Kept, as transformers builds
+    it (TRL, the measured rows), SDPA gets its mask: attention computes every score at the masked
+    kernel's fitted speed, and every layer keeps the mask cast to 16 bits (2 bytes × seq per token).
+    One token longer, the window bites and is kept either way."""
+    switched_off, kept = lora(), lora(inert_window_kept=True)
+    spec = switched_off.model
+    assert not spec.masks_attention(4096) and spec.masks_attention(4096, inert_window_kept=True)
+    assert spec.masks_attention(4097) and not spec.masks_attention(4095, inert_window_kept=True)
+    per_token = [gpu_terms(w, CALIBRATION)["attention"] / w.tokens_per_micro_batch for w in (kept, switched_off)]
     assert per_token[0] > 1.4 * per_token[1]  # twice the FLOPs, at a faster rate per FLOP than flash's on Hopper
-    unwindowed = lora(model=replace(LLAMA_7B, sliding_window=None))
-    assert not unwindowed.model.masks_attention(10**6)
-    assert layer_activation_bytes(masked) - layer_activation_bytes(lora(model=replace(masked.model, sliding_window=None))) \
-        == 2 * 4096
+    assert estimate_speed(switched_off).tokens_per_second > estimate_speed(kept).tokens_per_second
+    unwindowed = lora(model=replace(LLAMA_7B, sliding_window=None), inert_window_kept=True)
+    assert not unwindowed.model.masks_attention(10**6, inert_window_kept=True)
+    assert layer_activation_bytes(kept) - layer_activation_bytes(switched_off) == 2 * 4096
+    longer = lora(seq_len=4097)
+    assert layer_activation_bytes(longer) == layer_activation_bytes(replace(longer, inert_window_kept=True))
 
 
 def test_liger_keeps_fewer_activations_in_every_layer():
