@@ -21,6 +21,7 @@ profile's cuts (no train.speedups) kept it.
 from __future__ import annotations
 
 import csv
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import finetune.plan
 from finetune.models import catalog
 from finetune.plan import gpus
+from finetune.plan.speed import CALIBRATION, Calibration, estimate_speed, kernel_classes
 from finetune.plan.speed_range import shape_family
 from finetune.plan.workload import Workload
 
@@ -152,3 +154,54 @@ def default_cases(path: Path = DEFAULTS) -> list[dict]:
              "fused_adamw": "false" if r["variant"] == "foreach" else "true", "inert_window": "kept",
              "ms_per_update": float(r["ms_per_update"])}
             for r in found]
+
+
+# How the model plans the rows: what the fit, the tables and the tests compare with what was measured.
+# The host-clock coefficients: another program's row is planned on the GPU clock alone.
+HOST = ("layer_issue_s", "adapter_issue_s", "dequant_issue_s")
+KERNEL_CLASSES = ("matmul", "attention", "dequant", "other")
+
+
+def fitted(row: dict) -> bool:
+    """finetune's own rows and other programs' rows with plain kernels (not TRL's, fitted as Liger ratios)."""
+    return row["framework"] in ("finetune", "llamafactory", "prime-rl", "torchtitan")
+
+
+def ours(row: dict) -> bool:
+    """Run by finetune on the host the issue-time coefficients describe."""
+    return row["framework"] == "finetune"
+
+
+def multi_gpu(row: dict) -> bool:
+    return int(row.get("gpus") or 1) > 1
+
+
+def planned(row: dict, calibration: Calibration = CALIBRATION) -> float:
+    """Tokens/s per GPU the model plans for the row; another program's row on the GPU clock alone."""
+    if not ours(row):
+        calibration = replace(calibration, **{name: 0.0 for name in HOST})
+    w = workload_of(row)
+    return estimate_speed(w, calibration).tokens_per_second / w.world_size
+
+
+def liger_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(without, with) Liger rows of the same program, GPU and shape, for the programs not fitted row by row."""
+    def key(row):
+        return row["framework"], row["device"], row["model"], row["method"], row["seq_len"], row["micro_batch_size"]
+    off = {key(r): r for r in rows if r["liger"] == "off" and not fitted(r)}
+    return [(off[key(r)], r) for r in rows if r["liger"] == "on" and not fitted(r) and key(r) in off]
+
+
+def log_error(row: dict, calibration: Calibration) -> float:
+    return math.log(planned(row, calibration) / float(row["tokens_per_second"]))
+
+
+def per_layer(case: dict, calibration: Calibration) -> dict[str, float]:
+    """The plan's kernel classes of one decoder layer of a profiled case, ms: half the difference of
+    the 4- and 2-layer cuts' plans, as the profile measures them."""
+    shallow, deep = (kernel_classes(workload_of(case, layers), calibration) for layers in CUTS)
+    return {k: 1000 * (deep[k] - shallow[k]) / (CUTS[1] - CUTS[0]) for k in KERNEL_CLASSES}
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else float("nan")

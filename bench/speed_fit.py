@@ -38,14 +38,14 @@ import argparse
 import math
 import sys
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed_data import (  # noqa: E402
-    CUTS,
     DEFAULTS,
+    HOST,
+    KERNEL_CLASSES,
     MEASURED,
     PUBLISHED,
     PUBLISHED_MOE_CP,
@@ -53,23 +53,27 @@ from speed_data import (  # noqa: E402
     chip_of,
     default_cases,
     family_of,
+    fitted,
+    liger_pairs,
+    log_error,
     moe_cp_rows,
+    multi_gpu,
+    per_layer,
+    planned,
     published_rows,
     read_rows,
+    rms,
     term_rows,
     workload_of,
 )
 
 from finetune.plan import gpus  # noqa: E402
-from finetune.plan.speed import CALIBRATION, Calibration, estimate_speed, kernel_classes  # noqa: E402
+from finetune.plan.speed import CALIBRATION, Calibration  # noqa: E402
 
-__all__ = ["MEASURED", "read_rows", "chip_of", "workload_of"]
-
-# The committed model must plan every fitted single-GPU row within this relative error (issue 15).
+# The committed model must plan every fitted single-GPU row within this relative error.
 TOLERANCE = 0.25
-# Host-clock coefficients, then one matmul efficiency per GPU, one flash-attention speed per chip,
-# then the GPU-clock coefficients and the clocks' overlap: the order of the fit's parameter vector.
-HOST = ("layer_issue_s", "adapter_issue_s", "dequant_issue_s")
+# Host-clock coefficients (speed_data.HOST), then one matmul efficiency per GPU, one flash-attention speed
+# per chip, then the GPU-clock coefficients and the clocks' overlap: the order of the fit's parameter vector.
 GPU = ("masked_attention_speed", "memory_efficiency", "kernel_gpu_s", "expert_tokens_half", "overlap_exponent")
 # (prior value, factor the data may move it by at one standard deviation): eager transformers issues
 # a layer in a few ms, a PEFT linear or a bitsandbytes dequantization in a few tenths; matmuls reach
@@ -93,54 +97,12 @@ FLOOR = {"overlap_exponent": 1.0}
 ROW_SPREAD = 0.1
 PUBLISHED_SPREAD = 0.2
 TERM_SPREAD = 0.15
-KERNEL_CLASSES = ("matmul", "attention", "dequant", "other")
 
 
 def all_rows(paths: list[Path], published: Path | None = PUBLISHED, moe_cp: Path | None = PUBLISHED_MOE_CP) -> list[dict]:
     """Every row with a measured tokens/s: the GPU kit's files, LLaMA-Factory's, the 8-GPU published ones."""
     rows = read_rows(paths) + (published_rows(published) if published else []) + (moe_cp_rows(moe_cp) if moe_cp else [])
     return [row for row in rows if row["tokens_per_second"]]
-
-
-def fitted(row: dict) -> bool:
-    """finetune's own rows and other programs' rows with plain kernels (not TRL's, fitted as Liger ratios)."""
-    return row["framework"] in ("finetune", "llamafactory", "prime-rl", "torchtitan")
-
-
-def ours(row: dict) -> bool:
-    """Run by finetune on the host the issue-time coefficients describe."""
-    return row["framework"] == "finetune"
-
-
-def multi_gpu(row: dict) -> bool:
-    return int(row.get("gpus") or 1) > 1
-
-
-def planned(row: dict, calibration: Calibration = CALIBRATION) -> float:
-    """Tokens/s per GPU the model plans for the row; another program's row on the GPU clock alone."""
-    if not ours(row):
-        calibration = replace(calibration, **{name: 0.0 for name in HOST})
-    w = workload_of(row)
-    return estimate_speed(w, calibration).tokens_per_second / w.world_size
-
-
-def liger_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(without, with) Liger rows of the same program, GPU and shape, for the programs not fitted row by row."""
-    def key(row):
-        return row["framework"], row["device"], row["model"], row["method"], row["seq_len"], row["micro_batch_size"]
-    off = {key(r): r for r in rows if r["liger"] == "off" and not fitted(r)}
-    return [(off[key(r)], r) for r in rows if r["liger"] == "on" and not fitted(r) and key(r) in off]
-
-
-def log_error(row: dict, calibration: Calibration) -> float:
-    return math.log(planned(row, calibration) / float(row["tokens_per_second"]))
-
-
-def per_layer(case: dict, calibration: Calibration) -> dict[str, float]:
-    """The plan's kernel classes of one decoder layer of a profiled case, ms: half the difference of
-    the 4- and 2-layer cuts' plans, as the profile measures them."""
-    shallow, deep = (kernel_classes(workload_of(case, layers), calibration) for layers in CUTS)
-    return {k: 1000 * (deep[k] - shallow[k]) / (CUTS[1] - CUTS[0]) for k in KERNEL_CLASSES}
 
 
 def term_errors(case: dict, calibration: Calibration) -> list[float]:
@@ -231,10 +193,6 @@ def cross_validation(rows: list[dict], cases: list[dict]) -> dict[str, dict[int,
     }
 
 
-def rms(values: list[float]) -> float:
-    return math.sqrt(sum(v * v for v in values) / len(values)) if values else float("nan")
-
-
 def spreads(rows: list[dict], cv: dict[str, dict[int, float]]) -> dict[str, float]:
     """RMS log error per kind of leaving out, over the single-GPU rows (the 8-GPU rows carry the
     communication and mixture-of-experts spreads on top, plan/speed_range.py)."""
@@ -259,16 +217,8 @@ def measured_architectures(rows: list[dict]) -> tuple[str, ...]:
     return tuple(sorted({workload_of(r).model.model_type for r in rows if fitted(r) and not multi_gpu(r)}))
 
 
-def reserved_slack(rows: list[dict]) -> tuple[float, list[dict]]:
-    """Largest reserved/allocated − 1 among rows with expandable segments, and the rows it rests on."""
-    measured = [r for r in rows if r.get("allocated_gib") and r.get("reserved_gib")]
-    expandable = [r for r in measured if r["allocator"] == "expandable_segments"]
-    slack = max((float(r["reserved_gib"]) / float(r["allocated_gib"]) - 1 for r in expandable), default=float("nan"))
-    return slack, measured
-
-
 def main(argv: list[str] | None = None) -> int:
-    import speed_report as report  # the tables; it imports this module
+    import speed_report as report  # the tables
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, nargs="*", default=sorted(MEASURED.glob("*.csv")))
@@ -301,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(abs(planned(r, calibration) / float(r["tokens_per_second"]) - 1) for r in single)
     print(f"worst in-sample error over the {len(single)} fitted single-GPU rows: {worst:.0%} (target ≤ {TOLERANCE:.0%})")
     print("\n".join(report.liger_lines(rows, calibration)))
-    slack, _ = reserved_slack(read_rows(args.csv))
-    print(f"\nreserved ÷ allocated − 1 with expandable_segments (fitted slack): {slack:.3f}")
     return 0
 
 

@@ -8,9 +8,10 @@ import math
 from collections import defaultdict
 from dataclasses import replace
 
-from speed_data import CUTS, family_of, workload_of
-from speed_fit import (
+from speed_data import (
+    CUTS,
     KERNEL_CLASSES,
+    family_of,
     fitted,
     liger_pairs,
     log_error,
@@ -19,6 +20,7 @@ from speed_fit import (
     per_layer,
     planned,
     rms,
+    workload_of,
 )
 
 from finetune.plan.speed import Calibration, estimate_speed, gpu_seconds, issue_seconds, update_seconds

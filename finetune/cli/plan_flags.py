@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is installed here and imports, not under ZeRO-3 or with LoRA on lm_head)")
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=None,
                         help="plan the loss through the LM head in chunks (no full-vocabulary logits); default: as "
-                        "the trainer decides it (on for LoRA/QLoRA, not with Liger, ZeRO-3 or LoRA on lm_head)")
+                        "the trainer decides it (on for LoRA/QLoRA and under --tp, not with Liger, ZeRO-3 or LoRA on lm_head)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="plan with regional compilation of the decoder blocks (less per-layer overhead); default off")
     parser.add_argument("--fp8", action="store_true", default=None,

@@ -2,9 +2,10 @@
 
 A run's world is dp_replicate × dp_shard × tp × cp processes (the four sizes of Accelerate's
 ParallelismConfig). The ranks of one tensor-parallel (TP) group each hold a slice of every linear
-layer (q/k/v and gate/up by output columns, o and down by input rows) and read the same rows; the
-ranks of one context-parallel (CP) group each hold a slice of every row's tokens and pass keys and
-values around a ring. Only the groups that read different rows count as data parallel: the batch
+layer (q/k/v and gate/up by output columns, o and down by input rows) and of the residual stream
+between the layers (by sequence: train/parallel.py), and read the same rows; the ranks of one
+context-parallel (CP) group each hold a slice of every row's tokens and pass keys and values around
+a ring. Only the groups that read different rows count as data parallel: the batch
 arithmetic (micro × accumulation × data-parallel ranks = global) and the token-weighted loss are
 over them.
 
@@ -156,8 +157,7 @@ def _tensor_parallel_problems(p: Parallelism, spec: ModelSpec | None, method: st
             problems.append(f"LoRA with --tp {p.tp} on {', '.join(rows)}: PEFT 0.21 cannot adapt row-parallel linears under "
                             f"transformers' TP; use --lora-targets {','.join(COLUMN_PARALLEL)}")
     if spec is not None and spec.moe:
-        problems.append(f"--tp {p.tp} with a mixture of experts ({spec.name}): finetune lays out dense models only "
-                        "(expert parallelism is not in Accelerate); use FSDP2 without --tp, which shards the experts")
+        problems.append(experts_refusal(spec.name, p.tp))
     if spec is not None:
         for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads)):
             if count % p.tp:
@@ -166,3 +166,13 @@ def _tensor_parallel_problems(p: Parallelism, spec: ModelSpec | None, method: st
                                 f"use a --tp that divides {count} (e.g. {', '.join(map(str, usable)) or 'none'})")
     return problems
 
+
+
+def experts_refusal(model: str, tp: int) -> str:
+    """Why `--tp` cannot lay out the mixture of experts `model`, and what to use instead: the one
+    sentence the trainer stops with and a plan gives for it."""
+    return (f"--tp {tp} with a mixture of experts ({model}): finetune's tensor-parallel layout splits dense layers only "
+            "(transformers' plan for the experts splits each expert's width and all-reduces the block's whole rows, "
+            "which the sequence-parallel residual stream does not take); use FSDP2 without --tp "
+            "(accelerate_configs/fsdp.yaml: each GPU holds 1/N of every expert) or DeepSpeed ZeRO-3 (each sparse block "
+            "gathered whole); expert parallelism is not in Accelerate")

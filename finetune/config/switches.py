@@ -57,13 +57,13 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
     Liger, unset: on where it can run (a CUDA device, liger-kernel installed and importable, the
     architecture covered), like TRL's `use_liger_kernel`. Where Liger is wanted but cannot run, one
     note says why, and a `--liger` that asked for no logits gets the chunked loss instead. The
-    chunked loss, unset: on for LoRA and QLoRA (`chunked_loss_wanted`) where nothing blocks it."""
+    chunked loss, unset: on for LoRA and QLoRA, and under TP (`chunked_loss_wanted`), where nothing blocks it."""
     notes = []
-    blocked = head_read_blocked(strategy, method, lora_targets, head_problem, tp)
+    blocked = head_read_blocked(strategy, method, lora_targets, head_problem)
     liger_on = liger if liger is not None else cuda and liger_installed()
     if liger_on:
         why = ((None if assume_liger and not liger_installed() else liger_problem(cuda, model_type)) or blocked
-               or (CP_LABELS if cp > 1 else None))
+               or (TP_HEAD if tp > 1 else None) or (CP_LABELS if cp > 1 else None))
         if why:
             notes.append(f"running without Liger ({why})")
             liger_on = False
@@ -72,7 +72,7 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
     if chunked_loss and why_not_chunked:
         instead = "Liger's fused loss" if liger_on else "the model's own loss"
         notes.append(f"--chunked-loss: {why_not_chunked}; using {instead}")
-    chunked_on = why_not_chunked is None and chunked_loss_wanted(asked, method)
+    chunked_on = why_not_chunked is None and chunked_loss_wanted(asked, method, tp)
     loss = "liger" if liger_on else "finetune-chunked" if chunked_on else "transformers"
     attention, attention_note = resolve_attention(attention)
     return Switches(loss=loss, fused_adamw=fused_adamw(optimizer, cuda, strategy),
@@ -128,14 +128,14 @@ def _major_minor(version: str) -> tuple[int, int]:
 # Liger under context parallelism: each rank's slice of a row comes with its labels shifted already,
 # which finetune's chunked loss reads (train/chunked_loss.py) and Liger's loss is not checked with
 CP_LABELS = "context parallelism hands each rank a slice of every row, with its labels shifted already"
+# Liger under tensor parallelism: each rank holds a slice of the head's vocabulary rows, which Liger's loss
+# would read as the whole head (finetune's chunked loss combines the slices: train/chunked_loss.py)
+TP_HEAD = "tensor parallelism splits the LM head's weight by vocabulary rows"
 
 
-def head_read_blocked(strategy: Strategy, method: str, lora_targets: str, head_problem: str | None = None,
-                      tp: int = 1) -> str | None:
+def head_read_blocked(strategy: Strategy, method: str, lora_targets: str, head_problem: str | None = None) -> str | None:
     """Why no loss may read the LM head's weight outside the head's own forward (Liger's fused
     linear cross-entropy and finetune's chunked loss both do) in such a run, or None."""
-    if tp > 1:  # each rank holds a slice of the vocabulary's rows; the head's own forward gathers the logits
-        return "tensor parallelism splits the LM head's weight by vocabulary rows"
     if strategy.zero_stage == 3:  # outside the head's forward its weight is a 0-element placeholder (trl#5891)
         return "ZeRO-3 gathers the LM head's weight only inside the head's own forward"
     if method != "full" and "lm_head" in lora_targets.split(","):  # the adapter would never train
@@ -161,10 +161,12 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS // vocab_size)
 
 
-def chunked_loss_wanted(asked: bool | None, method: str) -> bool:
+def chunked_loss_wanted(asked: bool | None, method: str, tp: int = 1) -> bool:
     """When asked for, and by default for LoRA and QLoRA, whose head is frozen (full fine-tuning would
-    keep the head's fp32 gradient from the forward, which outweighs the logits of short micro-batches)."""
-    return asked if asked is not None else method != "full"
+    keep the head's fp32 gradient from the forward, which outweighs the logits of short micro-batches),
+    and under TP, where it is the loss that splits by vocabulary (the model's own head gathers the
+    whole vocabulary's logits on every rank, and TP is for long rows)."""
+    return asked if asked is not None else method != "full" or tp > 1
 
 
 def fused_adamw(optimizer: str, cuda: bool, strategy: Strategy) -> bool:

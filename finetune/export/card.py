@@ -69,13 +69,6 @@ def read_run_record(trained) -> RunRecord:
     return RunRecord(config=config, resolved=resolved, step=step, tokens_seen=tokens, evals=evals)
 
 
-def base_model_id(config: dict) -> str | None:
-    """The Hub id of the model the run started from: a catalog entry's (or the repo its GGUF was
-    converted from), or --model itself when it names a Hub repo (not a local path or file)."""
-    source = _model_source(config)
-    return source.hub_id if source is not None else None
-
-
 def _model_source(config: dict) -> ModelSource | None:
     """What the run's --model was (see models.source), or None when it can no longer be told (a GGUF
     file moved away since training, the package that shipped it uninstalled)."""

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import yaml
 
+from finetune.plan import gpus
 from finetune.plan.choose import Plan
+from finetune.plan.gpus import GPUSpec
 from finetune.plan.workload import Workload
 
 TRAINJOB_FILE = "trainjob.yaml"
@@ -37,9 +39,12 @@ WORKDIR = "/workspace"  # the container's working directory: the launch command 
 DSTACK_HOST_CHECKPOINTS = "/mnt/checkpoints"
 # the catalog's GPU names as the engines spell them where they differ (SkyPilot: the plain A100 and
 # V100 are the 40 GB and 16 GB ones; dstack: gpuhunt's names, with the memory where one name has two sizes)
-SKYPILOT_GPUS = {"A100-40GB": "A100", "H100-80GB": "H100", "V100-16GB": "V100"}
+SKYPILOT_GPUS = {"A100-40GB": "A100", "H100-80GB": "H100", "V100-16GB": "V100", "RTX-A6000": "A6000"}
 DSTACK_GPUS = {"A100-40GB": "A100:40GB", "A100-80GB": "A100:80GB", "H100-80GB": "H100", "V100-16GB": "V100:16GB",
-               "V100-32GB": "V100:32GB", "RTX6000-Ada": "RTX6000Ada"}
+               "V100-32GB": "V100:32GB", "RTX6000-Ada": "RTX6000Ada", "H100-NVL": "H100NVL", "RTX-A6000": "A6000",
+               "RTX-PRO-6000": "RTXPRO6000"}
+# catalog cards gpuhunt does not list: dstack asks for them by their memory, as for a card given by its memory
+DSTACK_BY_MEMORY = ("H20",)
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def skypilot_task(plan: Plan, config_dir: str, launch: str) -> dict:
     w = plan.workload
     return {
         "name": job_name(w),
-        "resources": {"accelerators": f"{SKYPILOT_GPUS.get(w.gpu.name, w.gpu.name)}:{w.gpus_per_node}"},
+        "resources": skypilot_accelerators(w),
         "num_nodes": w.nodes,
         "workdir": ".",
         "file_mounts": {CHECKPOINTS: {"name": f"{job_name(w)}-checkpoints", "mode": "MOUNT"}},
@@ -146,8 +151,24 @@ def dstack_task(plan: Plan, config_dir: str, launch: str) -> dict:
         "repos": [{"local_path": repo_path(config_dir), "path": "."}],
         "volumes": [{"instance_path": DSTACK_HOST_CHECKPOINTS, "path": CHECKPOINTS}],
         "commands": [f"pip install -e .{install_extras(w)}", node_script(plan, config_dir, launch, DSTACK)],
-        "resources": {"gpu": f"{DSTACK_GPUS.get(w.gpu.name, w.gpu.name)}:{w.gpus_per_node}", "shm_size": "16GB"},
+        "resources": {"gpu": f"{dstack_gpu(w.gpu)}:{w.gpus_per_node}", "shm_size": "16GB"},
     }
+
+
+def skypilot_accelerators(w: Workload) -> dict:
+    """SkyPilot's accelerators for the plan's GPUs; a card given by its memory (`--gpus 2x48GB`) as any of
+    the catalog's cards of that size, since SkyPilot names accelerators, not memory sizes."""
+    if not w.gpu.speed_of:
+        return {"accelerators": f"{SKYPILOT_GPUS.get(w.gpu.name, w.gpu.name)}:{w.gpus_per_node}"}
+    return {"any_of": [{"accelerators": f"{SKYPILOT_GPUS.get(name, name)}:{w.gpus_per_node}"}
+                       for name in gpus.at_least(w.gpu.memory_gib)]}
+
+
+def dstack_gpu(gpu: GPUSpec) -> str:
+    """dstack's name for the card (gpuhunt's), or its memory where gpuhunt has no name for it."""
+    if gpu.speed_of or gpu.name in DSTACK_BY_MEMORY:
+        return f"{gpu.memory_gib:g}GB"
+    return DSTACK_GPUS.get(gpu.name, gpu.name)
 
 
 def install_extras(w: Workload) -> str:

@@ -90,8 +90,8 @@ _CATALOG: tuple[GPUSpec, ...] = (
 #   Prices: Lambda (B200 4.99, H100-NVL 2.49), RunPod (RTX5090 0.69, RTX-PRO-6000 1.79, L40 0.99, A40 0.40, RTX-A6000
 #   0.49); B300, GB200, H20, MI325X, MI355X: few list prices yet, set from their neighbours (an order of magnitude)
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in _CATALOG}
-# GPUs in one host of the instance HOST_RAM_SOURCES names (8 unless listed): a larger --gpus count is
-# several nodes
+# GPUs in one host of the usual instance (8 unless listed; the instances are named below, where
+# host_gib_per_gpu comes from): a larger --gpus count is several nodes
 # (a GB200 NVL72 rack is one NVLink domain of 72 GPUs: the planner treats it as one node)
 GPUS_PER_NODE = {"RTX3090": 2, "RTX4090": 2, "RTX5090": 2, "RTX6000-Ada": 4, "RTX-PRO-6000": 4, "RTX-A6000": 4, "T4": 4,
                  "GB200": 72}
@@ -205,6 +205,12 @@ def identify(device_name: str, memory_gib: float) -> GPUSpec | None:
     found = [(len(key), -abs(GPUS[name].memory_gib - memory_gib), name)
              for key, name in spellings().items() if len(key) > 1 and key in device]
     return GPUS[max(found)[2]] if found else None
+
+
+def at_least(memory_gib: float) -> list[str]:
+    """Catalog GPUs of about `memory_gib` (`same_size`), else those of the smallest catalog size above it."""
+    larger = sorted({g.memory_gib for g in _CATALOG if g.memory_gib > memory_gib})
+    return same_size(memory_gib) or (same_size(larger[0]) if larger else [])
 
 
 def same_size(memory_gib: float) -> list[str]:

@@ -9,7 +9,7 @@ PEFT, bitsandbytes or DeepSpeed allocates; the ones that are fitted say what the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.names import trains_pure_bf16
 from finetune.config.switches import chunk_tokens
@@ -213,6 +213,9 @@ def layer_activation_bytes(w: Workload) -> float:
     and its output; SwiGLU saves gate, up and the activation. A bitsandbytes 4-bit linear casts its
     input to the compute dtype and its output back to the input's dtype, so under QLoRA everything
     between the matmuls is held in the residual stream's dtype (fp32 after PEFT's k-bit upcast).
+    Under TP the norms run on the rank's sequence shard of the residual stream
+    (parallel.sequence_shards) and attention and the MLP on its heads and width; the linears reading
+    the normalized stream save the gathered whole rows.
     """
     spec, p = parallel.rank_spec(w.model, w.tp), w.precision  # a TP rank's heads and MLP width
     h, e = spec.hidden_size, p.compute_bytes
@@ -228,9 +231,8 @@ def layer_activation_bytes(w: Workload) -> float:
     adapter = max(p.weight_bytes, w.adapter_bytes)
 
     norm_input = residual if spec.norm_bias else 4  # LayerNorm saves its input; RMSNorm an fp32 copy
-    saved = spec.norms_per_layer * h * norm_input
-    if full:
-        saved += spec.norms_per_layer * h * residual  # normalized input of the trainable norm weight
+    norm_output = residual if full else 0  # the normalized input of the trainable norm weight
+    saved = spec.norms_per_layer * h * (norm_input + norm_output) / parallel.sequence_shards(w)  # a TP rank's shard
 
     names = [linear.name for linear in layer_linears(spec)]
     attention_in = ["q_proj", "k_proj", "v_proj"]
@@ -255,7 +257,7 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
-    saved += dense_mask_bytes(w)
+    saved += dense_mask_bytes(w) + repeated_kv_bytes(w)
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
@@ -286,6 +288,16 @@ def dense_mask_bytes(w: Workload) -> float:
     return attention_bytes(w) * w.seq_len if w.masked_sdpa else 0.0
 
 
+def repeated_kv_bytes(w: Workload) -> float:
+    """Bytes per token a decoder layer saves beyond q, k, v and the output when SDPA gets an explicit mask
+    (Workload.masked_sdpa) and the model groups its KV heads: handed a mask, transformers repeats keys and
+    values to every query head before SDPA (its `use_gqa_in_sdpa`), and SDPA saves the repeated ones."""
+    if not w.masked_sdpa:
+        return 0.0
+    spec = parallel.rank_spec(w.model, w.tp)
+    return 2 * attention_bytes(w) * (spec.num_heads - spec.num_kv_heads) * spec.resolved_head_dim
+
+
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
     """Bytes saved for the input of a group of linears that read the same tensor."""
     if full:
@@ -303,13 +315,14 @@ def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, ad
 
 
 def loss_activation_bytes(w: Workload) -> float:
-    """Bytes per token after the last layer: final norm, LM head input, logits and cross-entropy
-    (LOSS_BYTES_PER_VOCAB per vocabulary entry)."""
+    """Bytes per token after the last layer: final norm (on a TP rank's sequence shard), LM head input
+    (whole rows), logits and cross-entropy (LOSS_BYTES_PER_VOCAB per vocabulary entry: the model's own
+    head gathers the whole vocabulary's logits under TP too)."""
     spec, p = w.model, w.precision
-    h, e = spec.hidden_size, p.compute_bytes
-    saved = 4 * h  # final RMSNorm's fp32 input
+    h, e, shards = spec.hidden_size, p.compute_bytes, parallel.sequence_shards(w)
+    saved = 4 * h / shards  # final RMSNorm's fp32 input
     if w.method == "full":
-        saved += h * residual_bytes(w) + h * e  # normalized input of the norm weight, LM head input
+        saved += h * residual_bytes(w) / shards + h * e  # normalized input of the norm weight, LM head input
     # without autocast the head computes in its weight's dtype: fp32 after PEFT's k-bit upcast
     logits = e if p.autocast or w.method != "qlora" else residual_bytes(w)
     return saved + LOSS_BYTES_PER_VOCAB[w.loss](logits) * spec.vocab_size
@@ -350,11 +363,12 @@ def chunk_scratch_bytes(w: Workload) -> float:
     if w.loss != "finetune-chunked":
         return 0.0
     spec, e = w.model, w.precision.compute_bytes
-    chunk = min(chunk_tokens(spec.vocab_size), w.tokens_per_micro_batch) * spec.vocab_size
+    vocabulary = parallel.vocabulary_rows(w)  # under TP: the rank's shard of the head
+    chunk = min(chunk_tokens(vocabulary), w.tokens_per_micro_batch) * vocabulary
     logits = chunk * (4 + (e if e < 4 else 0))
     if w.method != "full":
         return logits
-    head = spec.vocab_size * spec.hidden_size
+    head = vocabulary * spec.hidden_size
     return 4 * head + max(logits, head * (e + 4 if e < 4 else 4) + chunk * e)
 
 
@@ -380,12 +394,14 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     tokens = parallel.tokens_per_rank(w)
     layer = layer_activation_bytes(w)
     recomputed = w.recomputed_layers
-    kept = recomputed * spec.hidden_size * residual_bytes(w) + (spec.num_layers - recomputed) * layer
+    layer_input = spec.hidden_size * residual_bytes(w) / parallel.sequence_shards(w)  # what a checkpointed layer keeps
+    kept = recomputed * layer_input + (spec.num_layers - recomputed) * layer
     if w.masked_sdpa:  # the boolean mask (micro × s² bytes): through the forward, and to the end of backward as an
         kept += w.seq_len  # input of every recomputed layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
-    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * (layer - dense_mask_bytes(w))  # the mask has no gradient
+    masked = dense_mask_bytes(w) + repeated_kv_bytes(w)  # SDPA's masked path: no scratch of their own (simulated)
+    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * (layer - masked)
     if w.strategy.fsdp and w.method != "full" and not recomputed:
         # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
         # released the last layer's saved activations (FSDPMemTracker, tests/plan/test_planner_simulate.py;
@@ -431,10 +447,11 @@ def unmeasured_terms(w: Workload) -> list[str]:
     if kept and (w.partial_checkpointing or w.tokens_per_micro_batch > MEASURED_KEPT_TOKENS):
         terms.append(f"activations of the {kept} decoder layers that keep theirs "
                      f"({kept_layer_activations(w) / GIB:.1f} GiB at {w.tokens_per_micro_batch:,} tokens per micro-batch)")
-    if w.dense_mask:  # each layer that keeps its activations holds its copy, a recomputed one while it runs
+    if w.dense_mask:  # each layer that keeps its activations holds its copies, a recomputed one while it runs
         holding = kept + (w.recomputed_layers > 0)
-        mask = w.tokens_per_micro_batch * (holding * dense_mask_bytes(w) + w.seq_len)
-        terms.append(f"packed rows' attention mask under SDPA ({mask / GIB:.1f} GiB, simulated on CPU; --attention varlen builds none)")
+        mask = w.tokens_per_micro_batch * (holding * (dense_mask_bytes(w) + repeated_kv_bytes(w)) + w.seq_len)
+        terms.append(f"packed rows' attention mask under SDPA, with the KV heads repeated for it ({mask / GIB:.1f} GiB, "
+                     "simulated on CPU; --attention varlen builds none)")
     if w.loss == "liger":
         terms.append("Liger's fused loss (counted as holding no logits)")
     if w.loss == "finetune-chunked":
@@ -626,3 +643,10 @@ def cached_logits_bytes(w: Workload) -> float:
     if not LOSS_BYTES_PER_VOCAB[w.loss](w.precision.compute_bytes):
         return 0.0
     return VOCABULARY_CACHE * parallel.tokens_per_rank(w) * w.model.vocab_size * 4
+
+
+def backward_activations(w: Workload) -> float:
+    """Activations per GPU at the peak of forward/backward, also where the optimizer step sets the
+    step's peak (`estimate` then reports none): `w` planned with an optimizer step that allocates
+    nothing, which changes nothing else."""
+    return estimate(replace(w, fused_optimizer=True)).activations

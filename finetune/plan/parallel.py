@@ -1,14 +1,18 @@
 """Tensor and context parallelism in plans: what one rank of a TP or CP group holds and computes.
 
-Under transformers' TP plan of the Llama family a TP rank computes a slice of every decoder layer:
-q/k/v and gate/up split by output columns, o and down by input rows, so it holds 1/tp of the
-heads, the KV heads and the MLP width (`rank_spec`), while the hidden size (the residual stream,
-the norms, each linear's input) stays whole. The LM head splits by vocabulary rows and gathers its
-logits back whole (`colwise_gather_output`); a tied embedding shares that split. So TP divides the
-linear weights, their gradients and optimizer states, and the activations inside attention and the
-MLP by tp, but not the residual stream's or the logits. A CP rank holds 1/cp of every row's tokens,
-so every activation divides by cp. FSDP2 then shards what a rank holds over the data-parallel ranks
-(× cp). Pure functions of the workload; the speed model adds what they send (speed.py).
+Under transformers' TP plan of the Llama family, with finetune's sequence-parallel rules
+(train/parallel.py), a TP rank computes a slice of every decoder layer: q/k/v and gate/up split by
+output columns, o and down by input rows, so it holds 1/tp of the heads, the KV heads and the MLP
+width (`rank_spec`); the embedding and the LM head split by vocabulary rows. Between the blocks the
+residual stream is split by sequence (`sequence_shards`): each rank holds 1/tp of every row's tokens
+there, and runs the norms on them; attention and the MLP gather whole rows at their input, which
+their linears save whole. The loss runs per vocabulary shard (the chunked loss, on under TP), so no
+rank holds the whole vocabulary's logits. So TP divides the linear weights, their gradients and
+optimizer states, the residual stream and the norms' activations, and the activations inside
+attention and the MLP by tp; the gathered inputs of q/k/v and gate/up stay whole. A CP rank holds
+1/cp of every row's tokens, so every activation divides by cp. FSDP2 then shards what a rank holds
+over the data-parallel ranks (× cp). Pure functions of the workload; the speed model adds what they
+send (speed.py).
 """
 
 from __future__ import annotations
@@ -46,14 +50,24 @@ def _sliced(spec: ModelSpec, tp: int) -> ModelSpec:
 
 
 def rank_params(w: Workload) -> ParamCounts:
-    """Parameter counts of one TP rank: its slice of the layers, and the LM head (or the tied
-    embedding it shares) by vocabulary rows; the norms and an untied embedding whole."""
+    """Parameter counts of one TP rank: its slice of the layers, and the embedding and LM head (one
+    tensor when tied) by vocabulary rows (transformers 5 splits the input embedding whenever a
+    model has a TP plan); the norms whole."""
     if w.tp == 1:
         return count_params(w.model)
     counts = count_params(rank_spec(w.model, w.tp))
-    if counts.head:
-        return replace(counts, head=counts.head / w.tp)
-    return replace(counts, embedding=counts.embedding / w.tp)
+    return replace(counts, head=counts.head / w.tp, embedding=counts.embedding / w.tp)
+
+
+def sequence_shards(w: Workload) -> int:
+    """How many ranks split the residual stream between the blocks by sequence: the TP group
+    (sequence parallelism), so a rank holds 1/tp of its tokens there."""
+    return w.tp
+
+
+def vocabulary_rows(w: Workload) -> int:
+    """Rows of the vocabulary one rank's LM head holds (torch.chunk's split over the TP group)."""
+    return -(-w.model.vocab_size // w.tp)
 
 
 def rank_trainable_params(w: Workload) -> float:
@@ -122,9 +136,10 @@ def reasons(w: Workload) -> list[str]:
              else "the network between nodes")
     slow = "" if group_in_one_node(w) and w.gpu.interconnect != "PCIe" else " (slow: keep TP and CP groups on NVLink)"
     if w.tp > 1:
-        return [f"tensor parallel over {w.tp} GPUs ({where}{slow}): each holds 1/{w.tp} of every linear layer and "
-                f"of the activations inside attention and the MLP; 4 all-reduces of activations per layer per "
-                f"micro-batch, which nothing hides; "
+        return [f"tensor parallel over {w.tp} GPUs ({where}{slow}): each holds 1/{w.tp} of every linear layer, of the "
+                f"vocabulary and of the activations, but for the whole rows attention and the MLP gather at their input "
+                f"(the residual stream split by sequence between them); 8 all-gathers and reduce-scatters of activations "
+                f"per layer per micro-batch (the bytes of 4 all-reduces), which nothing hides; "
                 + (f"FSDP2 shards the slices over {w.sharding_ranks} data-parallel GPUs" if w.sharding_ranks > 1
                    else "no data-parallel GPUs left for FSDP2 to shard over")]
     return [f"context parallel over {w.cp} GPUs ({where}{slow}): each holds 1/{w.cp} of every row's tokens and "

@@ -4,15 +4,15 @@ A layout the trainer refuses (config/parallelism.py: `--tp` on a mixture of expe
 linears under TP, `--tp` and `--cp` together, either under DeepSpeed) is refused here with the same
 sentence, so an empty answer says what the run would say instead of reading as out of memory. What the
 trainer would run but the planner does not search (a TP group larger than one node, CP with offload) gets
-the planner's own sentence. A speed switch the layout turns off (the chunked loss under TP, Liger under
-CP) is said beside the plan. Pure functions of the workload, no torch.
+the planner's own sentence. A speed switch the layout turns off (Liger under TP or CP) or on (the
+chunked loss under TP, per vocabulary shard) is said beside the plan. Pure functions of the workload, no torch.
 """
 
 from __future__ import annotations
 
 from finetune.config.options import TrainConfig
 from finetune.config.parallelism import Asked, parallelism_problems, resolve_parallelism
-from finetune.config.switches import CP_LABELS, Switches, head_read_blocked
+from finetune.config.switches import CP_LABELS, TP_HEAD, Switches, head_read_blocked
 from finetune.errors import ConfigError
 from finetune.plan import parallel
 from finetune.plan.workload import Workload
@@ -66,11 +66,17 @@ def layout_problems(w: Workload) -> list[str]:
 
 def switch_reasons(w: Workload, at_layout: Switches, without_layout: Switches) -> list[str]:
     """What the run turns off that was asked for or is on by default: the switches' own notes
-    (config.switches), and a loss the layout turns off (`without_layout`: the same run at tp = cp = 1)."""
+    (config.switches), and a loss the layout changes (`without_layout`: the same run at tp = cp = 1):
+    TP turns the chunked loss on, one vocabulary shard per GPU; a loss it or CP turns off is said with why."""
     reasons = list(at_layout.notes)
     if at_layout.loss == without_layout.loss:
         return reasons
-    why = head_read_blocked(w.strategy, w.method, w.lora_targets, None, w.tp) or (CP_LABELS if w.cp > 1 else "the layout")
+    if w.tp > 1 and at_layout.chunked_loss:
+        reasons.append(f"{layout_name(w)} runs the chunked loss on each GPU's vocabulary shard instead of "
+                       f"{LOSS_NAMES[without_layout.loss]}: no GPU holds the whole vocabulary's logits")
+        return reasons
+    why = head_read_blocked(w.strategy, w.method, w.lora_targets) or (TP_HEAD if w.tp > 1 else None) \
+        or (CP_LABELS if w.cp > 1 else "the layout")
     if not any(why in note for note in at_layout.notes):
         reasons.append(f"{layout_name(w)} turns {LOSS_NAMES[without_layout.loss]} off ({why}): "
                        f"{LOSS_NAMES[at_layout.loss]} runs instead")

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from finetune.config.switches import chunk_tokens
-from finetune.plan import gpus, params
+from finetune.plan import gpus, parallel, params
 from finetune.plan.gpus import GPUSpec
 from finetune.plan.memory import DS_BUCKET_ELEMENTS, fp8_linears, fp8_params, model_states, place_states, trainable_params
 from finetune.plan.params import count_params, resolve_lora_targets
@@ -312,24 +312,31 @@ def collectives(w: Workload) -> tuple[Collective, ...]:
 def model_parallel_collectives(w: Workload) -> tuple[Collective, ...]:
     """What each rank of a TP or CP group sends its group per optimizer update (plan/parallel.py).
 
-    TP: every decoder layer all-reduces its attention output and its MLP output in the forward, the
-    gradients of their inputs in the backward, and again for each forward checkpointing recomputes;
-    each all-reduce moves a micro-batch's hidden states (compute dtype), and the LM head all-gathers
-    the logits. They sit between a layer's matmuls, so nothing hides them. CP, as torch's ring
-    attention runs it: every layer all-gathers the keys and values of the other cp − 1 ranks in the
-    forward (again in a recomputed forward) and in the backward, and passes each hop's key and value
-    gradients on in fp32 (cp sends); all while attention computes (the next block waits for them).
+    TP, sequence-parallel: every decoder layer all-gathers whole rows into attention and into the MLP
+    and reduce-scatters their outputs back onto sequence shards in the forward, the reverse in the
+    backward (a reduce-scatter for each all-gather), and again for each forward checkpointing
+    recomputes; each moves (tp − 1)/tp of a micro-batch's hidden states (compute dtype), so a layer's
+    all-gather and reduce-scatter send the bytes of the one all-reduce they replace. The embedding
+    and the loss add one pair each (the loss's per-chunk sums are a few floats a token). They sit
+    between a layer's matmuls, so nothing hides them. CP, as torch's ring attention runs it: every
+    layer all-gathers the keys and values of the other cp − 1 ranks in the forward (again in a
+    recomputed forward) and in the backward, and passes each hop's key and value gradients on in
+    fp32 (cp sends); all while attention computes (the next block waits for them).
     """
     spec, e, micro = w.model, w.precision.compute_bytes, w.gradient_accumulation_steps
     items = []
     if w.tp > 1:
-        ring = 2 * (w.tp - 1) / w.tp
-        per_layer = 4 + 2 * w.recompute_share  # all-reduces: 2 forward, 2 backward, 2 per recomputed forward
-        reduced = micro * spec.num_layers * per_layer * ring * w.tokens_per_micro_batch * spec.hidden_size * e
-        logits = micro * (w.tp - 1) / w.tp * w.tokens_per_micro_batch * spec.vocab_size * e
-        launches = micro * round(spec.num_layers * per_layer + 1)
-        items.append(Collective("all-reduce activations (TP)", reduced + logits, launches, NOTHING,
-                                reduced + logits, launches))
+        shard = (w.tp - 1) / w.tp * w.tokens_per_micro_batch * spec.hidden_size * e  # one all-gather or reduce-scatter
+        per_layer = 8 + 4 * w.recompute_share  # 4 forward, 4 backward, 4 per recomputed forward
+        per_micro = spec.num_layers * per_layer + 4  # + the embedding's and the loss's pair, forward and backward
+        sums = 0  # the chunked loss all-reduces 3 sums a token per chunk: latency, not bytes
+        if w.loss == "finetune-chunked":
+            sums = 3 * math.ceil(w.tokens_per_micro_batch / chunk_tokens(parallel.vocabulary_rows(w)))
+        else:  # the model's own head gathers the whole vocabulary's logits
+            per_micro += spec.vocab_size / spec.hidden_size
+        launches = micro * (round(spec.num_layers * per_layer + 4) + sums)
+        items.append(Collective("all-gather / reduce-scatter activations (TP)", micro * per_micro * shard, launches, NOTHING,
+                                micro * per_micro * shard, launches))
     if w.cp > 1:
         kv = 2 * spec.num_kv_heads * spec.resolved_head_dim * w.tokens_per_micro_batch / w.cp * e
         gathers = 2 + w.recompute_share  # forward, recomputed forward, backward

@@ -36,7 +36,7 @@ SPREAD = {"measured": 0.132, "shape": 0.17, "chip": 0.3}
 # fit has not seen (the H200 profile of Qwen2 decoder layers does not cover a whole run).
 MEASURED_ARCHITECTURES = ("llama", "mistral")
 # Terms no run of finetune has measured: their spread is ASSUMED (not fitted), added in quadrature.
-# Model code never run: the Qwen2.5 runs of issue 30 ran 1.7–2.2× slower than a fit on Llama-family
+# Model code never run: the first Qwen2.5 runs on an H100 ran 1.7–2.2× slower than a fit on Llama-family
 # runs planned (log 0.5–0.8) where a Llama-3.2-3B run ran 1.1×. Communication and mixtures of experts
 # are fitted to other programs' 8-GPU runs only (bench/RESULTS.md, *Speed model*: left out one at a
 # time they come out within +8 … +28 %), which these spreads cover.

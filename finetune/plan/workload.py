@@ -159,11 +159,12 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
     )
 
 
-# chips with FP8 tensor cores whose float8 formats are not the ones train/fp8.py casts to (e4m3fn, e5m2):
-# MI300X's are the fnuz variants
-OTHER_FP8_FORMATS = ("MI300X",)
+# AMD's chips have FP8 tensor cores, but the trainer runs train/fp8.py only on NVIDIA GPUs (train/run.py
+# checks for CUDA without HIP): MI300X's float8 formats are the fnuz variants, and MI355X's OCP formats are
+# not measured through torch._scaled_mm on ROCm
+AMD_CHIPS = ("MI300X", "MI355X")
 
 
 def runs_fp8(gpu: GPUSpec) -> bool:
     """`gpu` runs train/fp8.py's float8 matmuls (NVIDIA, compute capability ≥ 8.9)."""
-    return gpu.fp8_tflops > 0 and gpu.chip not in OTHER_FP8_FORMATS
+    return gpu.fp8_tflops > 0 and gpu.chip not in AMD_CHIPS

@@ -177,7 +177,8 @@ def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
     if run.parallelism.model_parallel > 1:
         lines.append(f"layout: {run.parallelism.label} (tp {run.parallelism.tp}, cp {run.parallelism.cp}, "
                      f"dp_shard {run.parallelism.dp_shard}); "
-                     + ("transformers' TP plan, then FSDP2" if run.parallelism.tp > 1 else "ring attention, FSDP2 over dp × cp"))
+                     + ("transformers' TP plan, sequence-parallel, then FSDP2" if run.parallelism.tp > 1
+                        else "ring attention, FSDP2 over dp × cp"))
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
         wrap = getattr(plugin.auto_wrap_policy, "__name__", str(plugin.auto_wrap_policy))

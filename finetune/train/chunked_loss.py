@@ -22,7 +22,8 @@ import sys
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from finetune.config.names import IGNORE_INDEX
@@ -82,15 +83,54 @@ def chunked_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, label
     SFT's answer-only loss that is often most of a batch)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
+    head_weight, vocabulary = Vocabulary.held(head_weight)
+    if isinstance(hidden, DTensor):  # sequence-parallel TP: whole rows; this rank's vocabulary adds a part of their gradient
+        hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
     inputs, targets = with_targets(hidden, labels) if shift_labels is None else with_targets(hidden, shift_labels, shift=0)
     inputs = inputs.to(dtype)
-    if isinstance(head_weight, DTensor):  # FSDP2 between its root's gathers: gather it (its gradient is scattered back)
-        head_weight = head_weight.full_tensor()
     weight = head_weight.to(dtype)
     grads = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
-        total = _ChunkedCrossEntropy.apply(inputs, weight, targets, chunk_tokens(weight.size(0)), grads)
+        total = _ChunkedCrossEntropy.apply(inputs, weight, targets, chunk_tokens(weight.size(0)), grads, vocabulary)
     return total / (num_items_in_batch if num_items_in_batch is not None else len(targets))
+
+
+class Vocabulary:
+    """The rows of the vocabulary a head weight holds: all of them, or under tensor parallelism this rank's
+    shard (rows start … start + size of the whole vocabulary), whose maxima, sums and picked logits are
+    combined over the TP group so that every rank computes the whole loss."""
+
+    def __init__(self, start: int = 0, group=None):
+        self.start, self.group = start, group
+
+    @classmethod
+    def held(cls, weight: torch.Tensor) -> tuple[torch.Tensor, Vocabulary]:
+        """(the weight as a plain tensor, its vocabulary). A DTensor split by vocabulary rows on a mesh
+        dimension named "tp" keeps its shard (its gradient stays this shard's); any other DTensor (FSDP2
+        between its root's gathers) is gathered whole (its gradient is scattered back)."""
+        if not isinstance(weight, DTensor):
+            return weight, cls()
+        mesh, placements = weight.device_mesh, weight.placements
+        names = mesh.mesh_dim_names or ()
+        if "tp" not in names or placements[names.index("tp")] != Shard(0):
+            return weight.full_tensor(), cls()
+        tp = names.index("tp")
+        whole = [placement if dim == tp else Replicate() for dim, placement in enumerate(placements)]
+        rows = -(-weight.size(0) // mesh.size(tp))  # torch.chunk's split: ceil(vocabulary / tp) rows a rank
+        start = min(mesh.get_local_rank(tp) * rows, weight.size(0))
+        return weight.redistribute(placements=whole).to_local(), cls(start, mesh.get_group(tp))
+
+    def combine(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """`tensor` reduced in place over the ranks holding the other shards (nothing without them)."""
+        if self.group is not None:
+            torch.distributed.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def picked(self, targets: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(column of each target among the `size` rows held, 1 where this shard holds it else 0)."""
+        local = targets - self.start
+        held = (local >= 0) & (local < size)
+        return local.clamp(0, size - 1).unsqueeze(1), held.unsqueeze(1)
 
 
 def with_targets(hidden: torch.Tensor, labels: torch.Tensor, shift: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +149,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     tokens at a time; the gradients are computed alongside (when `grads`) and kept, instead of the logits."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, targets, chunk, grads):
+    def forward(ctx, inputs, weight, targets, chunk, grads, vocabulary):
         want_inputs, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
         grad_inputs = torch.zeros_like(inputs) if want_inputs else None
@@ -117,7 +157,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, inputs.size(0), chunk):
             end = min(start + chunk, inputs.size(0))
             total += _chunk(inputs[start:end], weight, targets[start:end],
-                            grad_inputs[start:end] if want_inputs else None, grad_weight)
+                            grad_inputs[start:end] if want_inputs else None, grad_weight, vocabulary)
         ctx.save_for_backward(grad_inputs, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -128,25 +168,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # copy of the head's fp32 gradient would double its memory
         grad_inputs, grad_weight = ctx.saved_tensors
         return (None if grad_inputs is None else grad_inputs.mul_(grad_total.to(grad_inputs.dtype)),
-                None if grad_weight is None else grad_weight.mul_(grad_total).to(ctx.weight_dtype), None, None, None)
+                None if grad_weight is None else grad_weight.mul_(grad_total).to(ctx.weight_dtype), None, None, None, None)
 
 
 def _chunk(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_rows: torch.Tensor | None,
-           grad_weight: torch.Tensor | None) -> torch.Tensor:
+           grad_weight: torch.Tensor | None, vocabulary: Vocabulary) -> torch.Tensor:
     """One chunk's summed token loss; its gradients written into `grad_rows` and added to
-    `grad_weight` where given. A function of its own so that the chunk's logits are gone before the
-    next chunk's are made."""
-    picked = targets.unsqueeze(1)
+    `grad_weight` where given (for the vocabulary rows `weight` holds: a TP rank's `grad_rows` is its
+    part of the sum). A function of its own so that the chunk's logits are gone before the next
+    chunk's are made."""
+    picked, held = vocabulary.picked(targets, weight.size(0))
     # one fp32 copy of the logits, worked on in place: exp(logits − max), then the softmax's gradient
     logits = (rows @ weight.T).float()
-    picked_logit = logits.gather(1, picked).squeeze(1)
-    largest = logits.amax(dim=1, keepdim=True)
-    sums = logits.sub_(largest).exp_().sum(dim=1, keepdim=True)
+    picked_logit = vocabulary.combine(logits.gather(1, picked).mul_(held).squeeze(1), ReduceOp.SUM)
+    largest = vocabulary.combine(logits.amax(dim=1, keepdim=True), ReduceOp.MAX)
+    sums = vocabulary.combine(logits.sub_(largest).exp_().sum(dim=1, keepdim=True), ReduceOp.SUM)
     loss = ((sums.log() + largest).squeeze(1) - picked_logit).sum()
     if grad_rows is None and grad_weight is None:
         return loss
     # d(loss)/d(logits) = softmax − one-hot
-    logits.div_(sums).scatter_add_(1, picked, torch.full_like(picked, -1, dtype=logits.dtype))
+    logits.div_(sums).scatter_add_(1, picked, -held.to(logits.dtype))
     grad_logits = logits.to(rows.dtype)
     del logits
     if grad_rows is not None:

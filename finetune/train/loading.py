@@ -25,7 +25,7 @@ from finetune.config.resolve import ResolvedRun
 from finetune.errors import FinetuneError
 from finetune.models import catalog, families, gguf_import
 from finetune.models.source import ModelSource
-from finetune.train import chunked_loss, sliding_window
+from finetune.train import chunked_loss, parallel, sliding_window
 
 
 def materialize(model: ModelSource, seed: int = 0) -> str:
@@ -114,26 +114,40 @@ def load_model(run: ResolvedRun, device: torch.device) -> torch.nn.Module:
         mark_zero3_leaves(model)
     model = prepare_for_training(model, run.config)
     if run.parallelism.tp > 1:
-        shard_what_transformers_left(model, run)
+        finish_tensor_parallel(model, run)
     return model
 
 
-def tensor_parallel_layout(run: ResolvedRun):
+def tensor_parallel_layout(run: ResolvedRun, hf_config=None):
     """transformers' own layout of a --tp run (train/parallel.py says why it, not Accelerate): the
-    model's TP plan over each group of `tp` consecutive ranks, then FSDP2 over the data-parallel
-    ranks, weights loaded straight into their shards. Under bf16-mixed FSDP2 gathers bf16 copies of
-    the fp32 weights, as Accelerate's FSDP2 mixed precision does."""
+    model's TP plan with finetune's sequence-parallel rules over each group of `tp` consecutive ranks,
+    then FSDP2 over the data-parallel ranks, weights loaded straight into their shards. Under
+    bf16-mixed FSDP2 gathers bf16 copies of the fp32 weights, as Accelerate's FSDP2 mixed precision does.
+    `hf_config`: the model's config, when not read from its weights' folder."""
     from transformers.distributed import DistributedConfig
 
+    hf_config = hf_config or AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=run.config.trust_remote_code)
     p = run.parallelism
     return DistributedConfig(tp_size=p.tp, fsdp_size=p.dp_shard, dp_replicate_size=p.dp_replicate,
+                             tp_plan=parallel.sequence_parallel_plan(skeleton),
                              fsdp_mixed_precision=run.precision.name == "bf16-mixed")
+
+
+def finish_tensor_parallel(model: torch.nn.Module, run: ResolvedRun) -> None:
+    """What a TP model needs once prepared for training: its LoRA adapters read whole rows as local
+    tensors (parallel.adapters_read_local_rows), and FSDP2 around what transformers left unsharded."""
+    parallel.adapters_read_local_rows(model)
+    shard_what_transformers_left(model, run)
 
 
 def shard_what_transformers_left(model: torch.nn.Module, run: ResolvedRun) -> None:
     """Make the outermost module an FSDP2 unit over the data-parallel ranks, if transformers did not:
     with TP alone (its FSDP runs only over 2 or more ranks), and around LoRA adapters, added after
-    it loaded. Accelerate then leaves the layout as it is, and saves it as sharded checkpoints."""
+    it loaded. Accelerate then leaves the layout as it is, and saves it as sharded checkpoints. With
+    TP alone each decoder layer is a unit of its own too, as transformers' FSDP plan makes them:
+    under bf16-mixed a unit holds its 16-bit copy only while it computes, not the whole model's."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -141,7 +155,11 @@ def shard_what_transformers_left(model: torch.nn.Module, run: ResolvedRun) -> No
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if run.precision.name == "bf16-mixed" else MixedPrecisionPolicy()
-    fully_shard(model, mesh=base._device_mesh["fsdp"], mp_policy=policy)
+    mesh = base._device_mesh["fsdp"]
+    if not any(isinstance(module, FSDPModule) for module in base.modules()):
+        for layer in [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def mark_zero3_leaves(model: torch.nn.Module) -> None:

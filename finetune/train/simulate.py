@@ -14,12 +14,14 @@ are not tracked), and `finetune plan --simulate` then simulates the best plan it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from finetune.errors import FinetuneError
 from finetune.plan import gpus as gpu_catalog
-from finetune.plan.memory import GIB, estimate
+from finetune.plan.memory import GIB, backward_activations, estimate
 from finetune.plan.moe import expert_bytes
 from finetune.plan.workload import Workload, from_run
 
@@ -64,6 +66,7 @@ def _outside_checks(method: str, strategy: Strategy, offload: str, optimizer: st
 class Simulation:
     peak_bytes: int
     terms: dict[str, int]  # planner term → bytes at the peak
+    activations: int  # saved activations and temporaries at the peak of forward/backward, wherever the step's peak is
 
 
 def simulate(run: ResolvedRun) -> Simulation:
@@ -72,16 +75,17 @@ def simulate(run: ResolvedRun) -> Simulation:
     w = from_run(run, gpu_catalog.get("H100"))  # the checks do not depend on the GPU
     if (reason := cannot_simulate(w)) is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
+    if run.parallelism.tp > 1:
+        return _simulate_tensor_parallel(run, w.dense_mask)
     run = one_rank(run)
     if run.strategy.fsdp:
-        return _simulate_fsdp(run, w)
+        return _simulate_fsdp(run, w.dense_mask)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from finetune.train import loading
     from finetune.train.optim import build_optimizer
 
     model, fake_mode = loading.build_skeleton(run)
-    _mask_as_the_run_builds_it(model, w.masked_sdpa)
     with fake_mode:
         optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
         tracker = _frozen_aware(MemTracker)()
@@ -92,15 +96,17 @@ def simulate(run: ResolvedRun) -> Simulation:
 
 
 # How a TP or CP rank is simulated, printed beside the comparison.
-ONE_TP_RANK = ("one TP rank, as the slice of the model it holds (1/tp of the heads, KV heads and MLP width), with the LM "
-               "head whole, which TP splits by vocabulary rows: the analytic weights hold 1/tp of it")
+ONE_TP_RANK = ("rank 0 of the whole layout as the trainer builds it (transformers' TP plan with the sequence-parallel "
+               "rules, FSDP2 over the data-parallel ranks) on a fake process group")
 ONE_CP_RANK = "one CP rank, with 1/cp of each row"
 
 
 def one_rank(run: ResolvedRun) -> ResolvedRun:
     """`run` as one rank of its TP/CP group computes it, without the group's collectives: the slice of
-    each layer a TP rank holds (plan.parallel.rank_spec), 1/cp of each row, FSDP2 over the ranks that
-    shard that slice, and the loss the run resolves (the model's own under TP: config/switches.py)."""
+    each layer a TP rank holds (plan.parallel.rank_spec) and its rows of the vocabulary, 1/cp of each
+    row, FSDP2 over the ranks that shard that slice, and the loss the run resolves
+    (config/switches.py). What `--dry-run` builds to count a TP rank's model states, and what a CP
+    rank is simulated as (ring attention does not run on CPU)."""
     from dataclasses import replace
 
     from finetune.config.parallelism import Parallelism
@@ -112,7 +118,8 @@ def one_rank(run: ResolvedRun) -> ResolvedRun:
     config = replace(run.config, max_seq_len=run.config.max_seq_len // p.cp, tp=1, cp=1,
                      chunked_loss=run.switches().chunked_loss)
     batch = replace(run.batch, world_size=run.world_size // p.tp, model_parallel=1)
-    return replace(run, spec=rank_spec(run.spec, p.tp), config=config, batch=batch, parallelism=Parallelism())
+    spec = replace(rank_spec(run.spec, p.tp), vocab_size=-(-run.spec.vocab_size // p.tp))
+    return replace(run, spec=spec, config=config, batch=batch, parallelism=Parallelism())
 
 
 def _as_on_cuda(optimizer):
@@ -142,60 +149,65 @@ def _frozen_aware(tracker_class):
     return FrozenAwareTracker
 
 
-# What transformers' SDPA path runs without a mask, under a name with no mask builder (transformers then builds none)
-CAUSAL_SDPA = "finetune_causal_sdpa"
+def _unit_aware(tracker_class):
+    """FSDPMemTracker opens a module's statistics in its forward; an FSDP2 unit whose forward never
+    runs (the LM head, which transformers shards as its own unit under FSDP2 × TP and the chunked loss
+    reads outside its forward) still gathers its weight for backward: open them there."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
 
+    class UnitAwareTracker(tracker_class):
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig_pre_backward):
+            tracked = super()._fsdp_param_group_pre_backward(fsdp_mod, orig_pre_backward)
 
-def _mask_as_the_run_builds_it(model, masked: bool) -> None:
-    """On fake tensors transformers cannot read the position ids, so it takes every row for packed and
-    builds a dense mask. Where the run builds none (`masked`: Workload.masked_sdpa; full-length rows, or
-    packed rows under varlen, flex or flash), the simulated SDPA runs causal without one, as the run's
-    does (or as its kernel saves)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            def pre_backward(*args, **kwargs):
+                if fsdp_mod not in self.memory_tracking:
+                    self.memory_tracking[fsdp_mod] = _FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod))
+                return tracked(*args, **kwargs)
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not masked and base.config._attn_implementation == "sdpa":
-        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
-        base.set_attn_implementation(CAUSAL_SDPA)
+            return pre_backward
+
+    return UnitAwareTracker
 
 
 def _steps(run: ResolvedRun, model, optimizer, tracker, dense_mask: bool = False) -> None:
-    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision.
-    `dense_mask` (packed rows under SDPA): two examples a row, whose position ids make transformers
-    build its block-diagonal mask as for a packed run."""
+    """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision,
+    on rows of whole examples (no padding, no packing), or with `dense_mask` (packed rows under SDPA)
+    on rows of two examples each, whose block-diagonal mask transformers builds as for a packed run."""
+    import contextlib
+    from unittest import mock
+
     import torch
 
     spec, batch, length = run.spec, run.batch, run.config.max_seq_len
     tokens = torch.randint(0, spec.vocab_size, (batch.micro_batch_size, length))
     positions = torch.cat([torch.arange(length // 2), torch.arange(length - length // 2)]).expand_as(tokens) if dense_mask else None
     autocast = torch.autocast("cpu", dtype=getattr(torch, run.precision.compute), enabled=run.precision.autocast)
-    for _ in range(2):
-        tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
-        with autocast:
-            loss = model(input_ids=tokens, labels=tokens, position_ids=positions).loss
-        loss.backward()
-        optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
+    # transformers looks for packed examples in the positions, which fake tensors cannot show it: it would
+    # build a seq × seq mask (2 GiB at 32,768 tokens) and SDPA would repeat the KV heads; rows of one
+    # example each have no packed examples, as transformers finds on real positions
+    whole = contextlib.nullcontext() if dense_mask else mock.patch("transformers.masking_utils.find_packed_sequence_indices",
+                                                                   return_value=None)
+    with whole:
+        for _ in range(2):
+            tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
+            with autocast:
+                loss = model(input_ids=tokens, labels=tokens, position_ids=positions).loss
+            loss.backward()
+            optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
 
-def _simulate_fsdp(run: ResolvedRun, w: Workload) -> Simulation:
+def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
     """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
     layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from finetune.train import loading
-    from finetune.train.optim import build_optimizer
 
-    dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
-    try:
+    with _fake_process_group(run.world_size):
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
         model, fake_mode = loading.build_skeleton(run)
-        _mask_as_the_run_builds_it(model, w.masked_sdpa)
         with fake_mode:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
@@ -204,27 +216,132 @@ def _simulate_fsdp(run: ResolvedRun, w: Workload) -> Simulation:
             for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
-            # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
-            # copies of the optimizer states (the planner's step scratch accounts for foreach)
-            optimizer = build_optimizer(run.config, model, run.peak_lr)
-            tracker = _frozen_aware(FSDPMemTracker)(model, optimizer)
-            with tracker:
-                _steps(run, model, optimizer, tracker, w.dense_mask)
-            return _result(tracker)
+            return _tracked_steps(run, model, dense_mask)
+
+
+def _simulate_tensor_parallel(run: ResolvedRun, dense_mask: bool) -> Simulation:
+    """TP as load_model lays it out (train/loading.py: transformers' plan with the sequence-parallel
+    rules, its FSDP2 over the data-parallel ranks, LoRA, FSDP2 around what it left), on fake tensors
+    and a fake process group of the run's world size: rank 0's view, collectives included."""
+    with _fake_process_group(run.world_size):
+        model, fake_mode = _tensor_parallel_skeleton(run)
+        with fake_mode:
+            return _tracked_steps(run, model, dense_mask)
+
+
+def _tracked_steps(run: ResolvedRun, model, dense_mask: bool) -> Simulation:
+    """Two micro-steps of an FSDP2-wrapped `model`, tracked by FSDPMemTracker (inside the fake mode)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from finetune.train.optim import build_optimizer
+
+    # per-tensor AdamW: FSDPMemTracker books foreach temporaries over DTensor shards as several
+    # copies of the optimizer states (the planner's step scratch accounts for foreach)
+    optimizer = build_optimizer(run.config, model, run.peak_lr)
+    tracker = _unit_aware(_frozen_aware(FSDPMemTracker))(model, optimizer)
+    with tracker:
+        _steps(run, model, optimizer, tracker, dense_mask)
+    return _result(tracker)
+
+
+@contextmanager
+def _fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of `world_size` ranks in which this process is rank 0 and no collective
+    moves data (torch's fake backend)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
     finally:
         dist.destroy_process_group()
 
 
+def _tensor_parallel_skeleton(run: ResolvedRun):
+    """The model load_model builds for a --tp run, on fake tensors from the start (a DTensor layout
+    cannot be moved onto fake storage afterwards), over CPU meshes of the fake process group.
+    Returns (model, fake_mode)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.models import families
+    from finetune.train import chunked_loss, loading
+
+    hf_config = AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None else \
+        AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
+    layout = loading.tensor_parallel_layout(run, hf_config)
+    meshes = _cpu_meshes(layout)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, _meshes_made_outside():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, run.precision.weights),
+                                                 attn_implementation=families.attention_implementation(hf_config.model_type))
+        model = type(model).maybe_distribute_model(model, layout, meshes)
+        model = loading.prepare_for_training(model, run.config)
+        loading.finish_tensor_parallel(model, run)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if run.switches(chunked_loss.head_problem(base)).chunked_loss:
+            chunked_loss.install(base)
+    return model, fake_mode
+
+
+def _cpu_meshes(layout):
+    """transformers' meshes for `layout` (distributed.utils.initialize_distributed_mesh), on CPU
+    whatever accelerator this machine has: the fake tensors are CPU tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    dense = init_device_mesh("cpu", (1, layout.dp_replicate_size, layout.fsdp_size, layout.tp_size),
+                             mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    experts = init_device_mesh("cpu", (1, layout.dp_replicate_size, layout.efsdp_size, layout.ep_size),
+                               mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return TransformersDeviceMesh(dense, experts)
+
+
+@contextmanager
+def _meshes_made_outside() -> Iterator[None]:
+    """FSDP2 over TP-sharded parameters joins the two meshes into one (DeviceMesh._concatenate), whose
+    rank arithmetic runs on tensors: made under the fake mode it fails (nonzero has no fake shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def outside(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(outside)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
+
+
 def _result(tracker) -> Simulation:
-    snapshot = tracker.get_tracker_snapshot("peak")
-    device_stats = max(snapshot.values(), key=lambda stats: stats.get("Total", 0))
+    device_stats = _largest(tracker.get_tracker_snapshot("peak").values())
+    terms = _terms(device_stats)
+    # where the optimizer step sets the peak, the modules' own peaks in their forward and backward
+    moments = [stats for module_stats in tracker.memory_tracking.values() for state, snapshots in module_stats.snapshots.items()
+               if state.name in ("PEAK_FW", "PEAK_BW") for snapshot in snapshots for stats in snapshot.values()]
+    activations = max(terms.get("activations", 0), _terms(_largest(moments)).get("activations", 0))
+    return Simulation(peak_bytes=device_stats["Total"], terms=terms, activations=activations)
+
+
+def _largest(device_stats):
+    return max(device_stats, key=lambda stats: stats.get("Total", 0))
+
+
+def _terms(device_stats: dict) -> dict[str, int]:
+    """MemTracker's bytes by reference type → bytes by planner term."""
     terms: dict[str, int] = {}
     for reftype, size in device_stats.items():
         if reftype == "Total":
             continue
         term = CATEGORIES.get(getattr(reftype, "value", str(reftype)), "buffers")
         terms[term] = terms.get(term, 0) + size
-    return Simulation(peak_bytes=device_stats["Total"], terms=terms)
+    return terms
 
 
 def compare_text(run: ResolvedRun, w: Workload) -> str:
@@ -239,4 +356,7 @@ def compare_text(run: ResolvedRun, w: Workload) -> str:
         lines.append(f"  {term:<12} {simulated.terms.get(term, 0) / GIB:>10.2f} {getattr(analytic, term) / GIB:>10.2f}")
     error = analytic.allocated / simulated.peak_bytes - 1
     lines.append(f"  {'allocated':<12} {simulated.peak_bytes / GIB:>10.2f} {analytic.allocated / GIB:>10.2f}  (analytic {error:+.1%})")
+    lines.append(f"  activations at the forward/backward peak: simulated {simulated.activations / GIB:.2f}, "
+                 f"analytic {backward_activations(w) / GIB:.2f} GiB")
     return "\n".join(lines)
+

@@ -7,9 +7,9 @@ Two ways in, sharing their runs with the other tests here:
   run resumes from its step-2 checkpoint in a fresh process and output dir. Its losses for steps 3-4
   must equal the uninterrupted ones bitwise, and both step-4 checkpoints must export to identical
   weights.
-- a crash mid-save, then `--resume auto` (INTERRUPTED, full fine-tuning on 2 processes): the run is
-  killed with SIGKILL while rank 1 is still inside the save of step 4, or rank 1's disk fills up
-  there. It logged steps 1-4 uninterrupted before the save; the rerun in the same output dir must
+- a crash mid-save, then `--resume auto` (INTERRUPTED, full fine-tuning on 2 processes, sequence-parallel
+  TP among them): the run is killed with SIGKILL while rank 1 is still inside the save of step 4, or
+  rank 1's disk fills up there. It logged steps 1-4 uninterrupted before the save; the rerun in the same output dir must
   pass over the unfinished step-4 folder, resume from step 2 and log the same steps 3-4 bitwise.
 Either way the final step-4 checkpoint exports to the model the run saved at the end.
 """
@@ -61,7 +61,7 @@ LAYOUT_FLAGS = {"fsdp2_tp": ["--tp", "2", "--lora-targets", "q_proj,k_proj,v_pro
 RESUME_CASES = [("single", "full"), ("single", "lora"), ("single", "qlora"), ("ddp", "lora"), ("fsdp2", "lora"),
                 ("fsdp2", "qlora"), ("zero2", "lora"), ("zero3", "lora"), ("ddp", "moe-lora"), ("fsdp2_tp", "lora")]
 INTERRUPTED = {"ddp": "kill -9", "fsdp2": "kill -9", "zero1": "kill -9", "zero2": "kill -9", "zero3": "kill -9",
-               "fsdp2_offload": "disk full", "zero3_offload": "disk full"}
+               "fsdp2_tp": "kill -9", "fsdp2_offload": "disk full", "zero3_offload": "disk full"}
 TOKENS = torch.tensor([[1, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]])
 
 

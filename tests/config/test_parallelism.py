@@ -80,8 +80,8 @@ REFUSED = {
     "cp attention": (dict(cp=2, max_seq_len=64, attention="flex"), 2, GPU, "--cp 2 with --attention flex: ring attention "
                      "replaces SDPA's kernels only; use --attention sdpa"),
     "deepspeed": (dict(tp=2, deepspeed="ds_configs/zero2.json"), 2, CPU, "--tp 2 runs on FSDP2, not DeepSpeed ZeRO"),
-    "mixture of experts": (dict(tp=2, model="tiny-moe"), 2, CPU, "--tp 2 with a mixture of experts (tiny-moe): finetune lays "
-                           "out dense models only"),
+    "mixture of experts": (dict(tp=2, model="tiny-moe"), 2, CPU, "--tp 2 with a mixture of experts (tiny-moe): finetune's "
+                           "tensor-parallel layout splits dense layers only"),
 }
 OFFLOAD = Launch(world_size=2, fsdp=True, fsdp_offload_params=True)
 
@@ -126,10 +126,29 @@ def test_context_parallel_batches_are_causal_slices_with_labels_shifted_already(
     assert torch.equal(plain["input_ids"][:, :3], batch["input_ids"][:, :3]) and "shift_labels" not in plain
 
 
-def test_fused_losses_stand_down_under_tp():
-    lora = resolved(world=2, tp=2, method="lora", lora_targets=COLUMNS)
-    assert not lora.switches().chunked_loss  # the chunked loss reads the whole LM head, which TP splits
-    assert resolved(world=1, method="lora").switches().chunked_loss
+def test_a_mixture_of_experts_under_tp_is_refused_naming_what_shards_its_experts_instead():
+    from finetune.config.parallelism import experts_refusal
+
+    reason = experts_refusal("qwen3-30b-a3b", 4)
+    assert reason.startswith("--tp 4 with a mixture of experts (qwen3-30b-a3b): ")
+    assert "use FSDP2 without --tp (accelerate_configs/fsdp.yaml" in reason and "DeepSpeed ZeRO-3" in reason
+    with pytest.raises(ConfigError) as refused:
+        resolved(world=2, tp=2, model="tiny-moe")
+    assert experts_refusal("tiny-moe", 2) in str(refused.value)  # the trainer stops with the same sentence
+
+
+def test_under_tp_the_loss_runs_per_vocabulary_shard_and_liger_stays_off():
+    from finetune.config.names import STRATEGIES
+    from finetune.config.switches import TP_HEAD, resolve_switches
+
+    assert resolved(world=2, tp=2).switches().loss == "finetune-chunked"  # on by default under TP, full fine-tuning too
+    assert resolved(world=2, tp=2, method="lora", lora_targets=COLUMNS).switches().chunked_loss
+    assert resolved(world=2).switches().loss == "transformers"  # full fine-tuning elsewhere keeps the model's own
+    assert resolved(world=2, tp=2, chunked_loss=False).switches().loss == "transformers"  # asked off: the head gathers
+    # Liger would read one vocabulary shard as the whole head
+    liger = resolve_switches(liger=True, chunked_loss=None, optimizer="adamw", method="full", lora_targets="all-linear",
+                             cuda=True, strategy=STRATEGIES["fsdp"], model_type="llama", assume_liger=True, tp=2)
+    assert liger.loss == "finetune-chunked" and liger.notes == (f"running without Liger ({TP_HEAD})",)
 
 
 # ---------------------------------------------------------------- the planner
@@ -146,7 +165,7 @@ def workload(**fields):
     return Workload(**base | fields)
 
 
-def test_tp_divides_the_linear_layers_and_what_they_compute_but_not_the_residual_stream():
+def test_tp_divides_every_linear_the_vocabulary_and_the_residual_stream_but_the_gathered_rows():
     from finetune.plan.memory import estimate, layer_activation_bytes
     from finetune.plan.parallel import rank_params
     from finetune.plan.params import count_params
@@ -154,16 +173,35 @@ def test_tp_divides_the_linear_layers_and_what_they_compute_but_not_the_residual
     spec = workload().model
     whole, sliced = count_params(spec), rank_params(workload(tp=8))
     assert sliced.layer_linear_weights * 8 == whole.layer_linear_weights  # q/k/v, o, gate/up/down: 1/8 each
-    assert sliced.head * 8 == whole.head and sliced.embedding == whole.embedding  # untied: the head splits by vocabulary
+    assert sliced.head * 8 == whole.head and sliced.embedding * 8 == whole.embedding  # both by vocabulary rows
     assert sliced.final_norm == whole.final_norm
-    # a TP rank keeps every layer's input (hidden, whole) and 1/tp of what attention and the MLP make
-    inside = layer_activation_bytes(workload()) - layer_activation_bytes(workload(tp=2))
-    assert 0 < inside < layer_activation_bytes(workload()) / 2
-    # 8 GPUs as TP 8 (FSDP has nothing left to shard over) or as FSDP 8: the same fp32 weights per GPU,
-    # but for the untied embedding, which TP leaves whole
+    # 8 GPUs as TP 8 (FSDP2 has nothing left to shard over) or as FSDP2 8: the same fp32 weights per GPU,
+    # but for the norms, which every TP rank holds whole
     assert workload(tp=8).sharding_ranks == 1 and workload(tp=2).sharding_ranks == 4
-    embedding = 4 * whole.embedding * (1 - 1 / 8)
-    assert estimate(workload(tp=8)).weights == pytest.approx(estimate(workload()).weights + embedding, rel=1e-3)
+    norms = whole.final_norm + spec.num_layers * spec.norms_per_layer * spec.hidden_size
+    assert estimate(workload(tp=8)).weights == estimate(workload()).weights + 4 * norms * (1 - 1 / 8)
+    # a TP rank saves 1/tp of everything a layer saves (its norms on a sequence shard, its heads and MLP
+    # width) but the inputs of q/k/v and gate/up, whole rows gathered: bf16 under FSDP2's mixed precision
+    gathered = 2 * spec.hidden_size * 2
+    one = layer_activation_bytes(workload())
+    for tp in (2, 4, 8):
+        assert layer_activation_bytes(workload(tp=tp)) == pytest.approx((one - gathered) / tp + gathered, rel=1e-9)
+
+
+def test_a_tp_plans_activations_fall_with_the_tp_degree():
+    """Llama-3.1-8B full fine-tuning at 32,768 tokens on 4 GPUs, every layer recomputed: at TP 4 at most
+    half of FSDP2's activations per GPU, whether FSDP2 keeps the model's own logits (its default) or
+    runs the chunked loss too. bench/tensor_parallel.py measures the built model's (--simulate)."""
+    from finetune.models import catalog
+    from finetune.plan.memory import backward_activations
+
+    def activations(tp: int, loss: str) -> float:
+        return backward_activations(workload(model=catalog.get("llama-3.1-8b"), gpus_per_node=4, tp=tp, seq_len=32768,
+                                             loss=loss))
+
+    under_tp = [activations(tp, "finetune-chunked") for tp in (1, 2, 4)]
+    assert under_tp[0] > under_tp[1] > under_tp[2]
+    assert under_tp[2] <= 0.5 * under_tp[0] and under_tp[2] <= 0.5 * activations(1, "transformers")
 
 
 def test_cp_divides_each_rows_activations_and_adds_the_ring():
@@ -178,6 +216,20 @@ def test_cp_divides_each_rows_activations_and_adds_the_ring():
     # per layer: the keys and values all-gathered in the forward, the recomputed forward and the backward,
     # and the gradients' cp sends
     assert "ring" in ring.what and ring.launches == (3 + 4) * 80
+
+
+def test_tp_sends_its_all_reduces_bytes_as_all_gathers_and_reduce_scatters():
+    from finetune.plan.speed import model_parallel_collectives
+
+    w = workload(tp=4, gpus_per_node=8, loss="finetune-chunked")
+    (collective,) = model_parallel_collectives(w)
+    spec, share = w.model, w.recompute_share
+    hidden = w.tokens_per_micro_batch * spec.hidden_size * 2  # a micro-batch's hidden states in bf16
+    all_reduces = spec.num_layers * (4 + 2 * share) * 2 * (4 - 1) / 4 * hidden  # what the layers sent as all-reduces
+    pairs = 4 * (4 - 1) / 4 * hidden  # the embedding's and the loss's all-gather / reduce-scatter, forward and backward
+    assert "all-gather / reduce-scatter" in collective.what
+    assert collective.wire_bytes == pytest.approx(all_reduces + pairs)
+    assert collective.launches > 2 * spec.num_layers * (4 + 2 * share)  # twice the calls: one for each half
 
 
 def test_tp_all_reduces_are_exposed_and_slow_over_pcie_or_nodes():
@@ -282,16 +334,16 @@ def test_a_tp_plans_printed_launch_command_runs_as_printed(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(cp=2)])
-def test_simulate_runs_one_rank_of_a_tp_or_cp_layout(layout, tmp_path):
-    """--simulate runs one rank's share on fake tensors (FSDP2 over the ranks sharding it); the analytic
-    terms agree, but for TP's LM head, which the simulated slice holds whole and the plan splits."""
+def test_simulate_runs_a_tp_layout_whole_and_one_rank_of_a_cp_layout(layout, tmp_path):
+    """--simulate builds a TP layout as the trainer does (sequence-parallel plan, chunked loss per
+    vocabulary shard, FSDP2 over the data-parallel ranks) on a fake process group, and runs one CP
+    rank's share; the analytic terms agree."""
     import json
     from dataclasses import replace
 
     from finetune.models import catalog
     from finetune.plan import gpus
-    from finetune.plan.memory import GIB, estimate
-    from finetune.plan.params import count_params
+    from finetune.plan.memory import GIB, backward_activations, estimate
     from finetune.plan.workload import from_run
     from finetune.train.simulate import simulate
 
@@ -300,10 +352,11 @@ def test_simulate_runs_one_rank_of_a_tp_or_cp_layout(layout, tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps(spec.to_hf_config_dict()))
     config = TrainConfig(model=str(tmp_path / "model"), max_seq_len=1024, output_dir=str(tmp_path / "out"), **layout)
     run = resolve_run(config, Launch(world_size=4, fsdp=True), GPU)
-    simulated, planned = simulate(run), estimate(from_run(run, gpus.get("H100")))
-    head_split = 4 * count_params(spec).head * (1 - 1 / run.parallelism.tp) / run.parallelism.dp_shard / run.parallelism.cp
-    assert simulated.terms["weights"] == pytest.approx(planned.weights + head_split, rel=0.02, abs=0.01 * GIB)
+    w = from_run(run, gpus.get("H100"))
+    simulated, planned = simulate(run), estimate(w)
+    assert simulated.terms["weights"] == pytest.approx(planned.weights, rel=0.02, abs=0.01 * GIB)
     assert simulated.terms["activations"] == pytest.approx(planned.activations, rel=0.10)
+    assert simulated.activations == pytest.approx(backward_activations(w), rel=0.10)
 
 
 def test_the_chunked_loss_takes_a_context_parallel_batch_as_the_models_own_loss_does(tokenizer):

@@ -35,6 +35,10 @@ PLANS = {
     "full zero3 2x8 A100-80GB": dict(model="llama-3.1-8b", gpu="A100-80GB", gpus_per_node=8, nodes=2, method="full", strategy="zero3"),
     "full fsdp 4x8 H200": dict(model="qwen2.5-7b", gpu="H200", gpus_per_node=8, nodes=4, method="full", strategy="fsdp"),
     "lora 1x2 A100-40GB": dict(model="mistral-7b", gpu="A100-40GB", gpus_per_node=2, method="lora"),
+    "full fsdp 1x8 B200": dict(model="llama-3.1-8b", gpu="B200", gpus_per_node=8, method="full", strategy="fsdp"),
+    "lora 1x8 H100-NVL": dict(model="llama-3.1-8b", gpu="H100-NVL", gpus_per_node=8, method="lora"),
+    "lora 1x4 H20": dict(model="qwen2.5-7b", gpu="H20", gpus_per_node=4, method="lora"),
+    "lora 1x2 48GB": dict(model="mistral-7b", gpu="48GB", gpus_per_node=2, method="lora"),
 }
 
 
@@ -98,7 +102,8 @@ def test_each_engine_loads_the_files_of_the_plan(name):
 
     sky = yaml.safe_load(texts[cluster.SKYPILOT_FILE])
     assert skypilot_problems(sky) == []
-    assert sky["num_nodes"] == w.nodes and sky["resources"]["accelerators"].endswith(f":{w.gpus_per_node}")
+    alternatives = sky["resources"].get("any_of", [sky["resources"]])
+    assert sky["num_nodes"] == w.nodes and all(a["accelerators"].endswith(f":{w.gpus_per_node}") for a in alternatives)
     assert launch in sky["run"]
 
     dstack = dstack_configuration(yaml.safe_load(texts[cluster.DSTACK_FILE]))
@@ -108,7 +113,17 @@ def test_each_engine_loads_the_files_of_the_plan(name):
     from gpuhunt._internal.constraints import KNOWN_AMD_GPUS, KNOWN_NVIDIA_GPUS  # dstack's GPU catalog
 
     known = {gpu.name for gpu in KNOWN_NVIDIA_GPUS + KNOWN_AMD_GPUS}
-    assert set(dstack.resources.gpu.name) <= known
+    assert set(dstack.resources.gpu.name or ()) <= known
+
+
+def test_a_card_given_by_its_memory_is_asked_for_by_its_memory_or_the_catalog_cards_of_that_size():
+    """SkyPilot names accelerators: any of the catalog's 48 GiB cards; dstack takes a memory size."""
+    texts = config_texts(recommended(**PLANS["lora 1x2 48GB"]), "plan")
+    sky = yaml.safe_load(texts[cluster.SKYPILOT_FILE])
+    assert sky["resources"] == {"any_of": [{"accelerators": "RTX6000-Ada:2"}, {"accelerators": "A6000:2"}]}
+    gpu = dstack_configuration(yaml.safe_load(texts[cluster.DSTACK_FILE])).resources.gpu
+    assert gpu.memory.min == gpu.memory.max == 48 and not gpu.name
+    assert gpus.at_least(64.0) == ["A100-80GB", "H100-80GB"]  # no 64 GiB card: the next size up
 
 
 def test_the_engines_refuse_a_mistaken_file():

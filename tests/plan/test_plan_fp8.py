@@ -93,6 +93,8 @@ def test_fp8_plans_carry_the_flag_and_are_marked_unmeasured():
 @pytest.mark.parametrize(("overrides", "reason"), [
     (dict(gpu=gpus.get("A100-80GB")), "--fp8: A100-80GB cannot run finetune's float8 matmuls"),
     (dict(gpu=gpus.get("MI300X")), "--fp8: MI300X cannot run finetune's float8 matmuls"),
+    (dict(gpu=gpus.get("MI325X")), "--fp8: MI325X cannot run finetune's float8 matmuls"),
+    (dict(gpu=gpus.get("MI355X")), "--fp8: MI355X cannot run finetune's float8 matmuls"),
     (dict(method="qlora"), "--fp8 casts LoRA's frozen 16-bit base weights to float8, and QLoRA's base is 4-bit"),
     (dict(gpus_per_node=2, strategy="fsdp"), "--fp8 keeps a float8 copy of every frozen weight whole on each GPU"),
 ])

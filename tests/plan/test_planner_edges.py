@@ -250,16 +250,19 @@ def test_the_json_and_the_page_carry_an_empty_answers_refusal(capsys):
     assert status == 200 and body["result"] == cli and body["files"] == []
 
 
-def test_a_switch_the_layout_turns_off_is_among_the_plans_reasons():
-    request = Request(model=catalog.get("llama-3.1-8b"), gpu=gpus.get("H100"), gpus_per_node=4, method="lora", tp=4,
-                      lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj")
+def test_a_switch_the_layout_turns_on_or_off_is_among_the_plans_reasons():
+    request = Request(model=catalog.get("llama-3.1-8b"), gpu=gpus.get("H100"), gpus_per_node=4, method="full", tp=4,
+                      strategy="fsdp", seq_len=8192)
     plans, best = plan(request)
     chosen = plans[best]
-    assert chosen.workload.loss == "transformers"  # the chunked loss, on by default for LoRA, stands down under TP
-    assert any(reason.startswith("--tp 4 turns the chunked loss off (tensor parallelism splits the LM head's weight")
+    assert chosen.workload.loss == "finetune-chunked"  # full fine-tuning's own loss elsewhere; per vocabulary shard under TP
+    assert any(reason.startswith("--tp 4 runs the chunked loss on each GPU's vocabulary shard instead of the model's own loss")
                for reason in chosen.reasons)
     plain, _ = plan(replace(request, tp=1))
-    assert not any("turns the chunked loss off" in reason for p in plain for reason in p.reasons)
+    assert not any("chunked loss on each GPU's vocabulary shard" in reason for p in plain for reason in p.reasons)
+    lora, best = plan(replace(request, method="lora", lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj"))
+    assert lora[best].workload.loss == "finetune-chunked"  # on by default for LoRA, with or without TP: nothing said
+    assert not any("vocabulary shard instead" in reason for reason in lora[best].reasons)
 
 
 # ---------------------------------------------------------------- what a mixture of experts' LoRA reaches

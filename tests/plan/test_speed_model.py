@@ -41,9 +41,9 @@ import speed_fit  # noqa: E402
 
 ROWS = speed_fit.all_rows(sorted(speed_fit.MEASURED.glob("*.csv")))
 CASES = speed_fit.term_rows(speed_fit.TERMS)
-FITTED = [r for r in ROWS if speed_fit.fitted(r)]
-SINGLE = [r for r in FITTED if not speed_fit.multi_gpu(r)]
-PUBLISHED_8_GPUS = [r for r in FITTED if speed_fit.multi_gpu(r)]
+FITTED = [r for r in ROWS if speed_data.fitted(r)]
+SINGLE = [r for r in FITTED if not speed_data.multi_gpu(r)]
+PUBLISHED_8_GPUS = [r for r in FITTED if speed_data.multi_gpu(r)]
 
 
 def one_gpu(**overrides) -> Workload:
@@ -68,7 +68,7 @@ def test_the_committed_measurements_cover_models_methods_shapes_and_three_gpus()
     published = [r for r in FITTED if r["framework"] == "llamafactory"]
     assert [int(r["seq_len"]) for r in published] == [1024, 2048, 4096, 8192, 16384, 32768]
     assert [r["case"] for r in PUBLISHED_8_GPUS] == ["M13", "M15", "M26", "M27"]
-    assert {speed_fit.chip_of(r) for r in FITTED} == {"H100", "A100"}
+    assert {speed_data.chip_of(r) for r in FITTED} == {"H100", "A100"}
     assert {r["device"] for r in own} == {"H100-80GB", "H200"} and set(CALIBRATION.matmul_efficiency) >= {"H100-80GB", "H200"}
     assert len(CASES) == 4 and all(case["per layer"]["busy_ms"] > 0 for case in CASES)
     assert all(r["device"] and r["model"] and r["tokens_per_second"] for r in ROWS)
@@ -81,11 +81,11 @@ def row_id(r: dict) -> str:
 
 @pytest.mark.parametrize("row", SINGLE, ids=row_id)
 def test_planned_tokens_per_second_within_25_percent_of_every_fitted_row(row):
-    assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=speed_fit.TOLERANCE)
+    assert speed_data.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=speed_fit.TOLERANCE)
 
 
 def inside_likely_range(row: dict) -> bool:
-    likely, planned = estimate_speed(speed_fit.workload_of(row)).likely, speed_fit.planned(row)
+    likely, planned = estimate_speed(speed_data.workload_of(row)).likely, speed_data.planned(row)
     return planned * likely.low <= float(row["tokens_per_second"]) <= planned * likely.high
 
 
@@ -95,7 +95,7 @@ def test_the_likely_ranges_hold_what_was_measured():
     neighbours), and every H200 row and every published 8-GPU row."""
     inside = [inside_likely_range(r) for r in SINGLE]
     assert sum(inside) >= 0.8 * len(inside)
-    assert all(inside_likely_range(r) for r in SINGLE + PUBLISHED_8_GPUS if r["device"] == "H200" or speed_fit.multi_gpu(r))
+    assert all(inside_likely_range(r) for r in SINGLE + PUBLISHED_8_GPUS if r["device"] == "H200" or speed_data.multi_gpu(r))
 
 
 H200_ROWS = [r for r in SINGLE if r["device"] == "H200"]
@@ -106,15 +106,15 @@ def test_the_h200_rows_are_planned_within_10_percent_in_speed_and_allocated_memo
     """finetune's four Mistral-7B LoRA s4096 b2 runs on the H200 (every layer or 1 of 32 recomputed, the
     chunked loss or Liger's), as the GPU kit posed them (throughput.py): 0.81 of plan before the H200
     joined the fit, and Liger's run with 31 layers keeping activations 9.5 % under its planned memory."""
-    assert speed_fit.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=0.10)
-    assert estimate(speed_fit.workload_of(row)).allocated / GIB == pytest.approx(float(row["allocated_gib"]), rel=0.10)
+    assert speed_data.planned(row) == pytest.approx(float(row["tokens_per_second"]), rel=0.10)
+    assert estimate(speed_data.workload_of(row)).allocated / GIB == pytest.approx(float(row["allocated_gib"]), rel=0.10)
 
 
 def test_the_published_moe_and_context_parallel_runs_are_planned_near_their_published_speed():
     """The four 8-GPU runs (prime-rl's Qwen3-30B-A3B LoRA and full FSDP2 at 16k; torchtitan's Llama-3.1-8B
     at CP 1 / 32k and CP 2 / 64k): planned ÷ published had a median of ×1.8 with this posing before the
     expert and attention terms; now within 0.8–1.25, each within 30 %."""
-    ratios = sorted(speed_fit.planned(r) / float(r["tokens_per_second"]) for r in PUBLISHED_8_GPUS)
+    ratios = sorted(speed_data.planned(r) / float(r["tokens_per_second"]) for r in PUBLISHED_8_GPUS)
     assert 0.8 <= (ratios[1] + ratios[2]) / 2 <= 1.25
     assert all(0.7 < ratio < 1.3 for ratio in ratios)
 
@@ -126,7 +126,7 @@ def test_the_kits_two_layer_cuts_are_planned_though_not_fitted():
     fine-tuning at 512 × 1 (the host's clock, whose fitted cost per layer is the H100 host's): within
     25 %, and foreach AdamW's extra time over fused (7.8 and 16.2 ms measured) within 10 %."""
     cases = {case["case"]: case for case in speed_data.default_cases()}
-    planned = {name: 1000 * update_seconds(speed_fit.workload_of(case, 2)) for name, case in cases.items()}
+    planned = {name: 1000 * update_seconds(speed_data.workload_of(case, 2)) for name, case in cases.items()}
     assert len(cases) == 16
     for name, case in cases.items():
         assert planned[name] == pytest.approx(case["ms_per_update"], rel=0.25 if case["method"] == "full" else 0.10), name
@@ -139,11 +139,11 @@ def test_the_kits_two_layer_cuts_are_planned_though_not_fitted():
 def test_liger_speedup_follows_from_the_bytes_its_kernels_save():
     """No Liger coefficient: fusing the norm, rotary embedding, SwiGLU and loss removes bytes, and the
     planned speed-up is within 5 % of TRL's three measured pairs (H100 LoRA and QLoRA, H200 LoRA)."""
-    pairs = speed_fit.liger_pairs(ROWS)
+    pairs = speed_data.liger_pairs(ROWS)
     assert len(pairs) == 3 and "liger" not in {f.name for f in fields(CALIBRATION)}
     for off, on in pairs:
         measured = float(on["tokens_per_second"]) / float(off["tokens_per_second"])
-        assert speed_fit.planned(on) / speed_fit.planned(off) == pytest.approx(measured, rel=0.05)
+        assert speed_data.planned(on) / speed_data.planned(off) == pytest.approx(measured, rel=0.05)
     plain = one_gpu(**GPU_BOUND)
     assert traffic(replace(plain, loss="liger")).per_token < 0.8 * traffic(plain).per_token
 
@@ -167,11 +167,11 @@ def test_the_profiled_layers_are_planned_class_by_class():
     each kernel class within 45 % (before: busy planned at 2× measured, the other kernels 3.2×, from
     11.5 µs of GPU time per kernel); the host's issue time per layer (a check) within 35 %."""
     for case in CASES:
-        plan, measured = speed_fit.per_layer(case, CALIBRATION), case["per layer"]
+        plan, measured = speed_data.per_layer(case, CALIBRATION), case["per layer"]
         assert sum(plan.values()) == pytest.approx(measured["busy_ms"], rel=0.20), case["case"]
         for k in ("matmul", "attention", "other"):
             assert plan[k] == pytest.approx(measured[f"{k}_ms"], rel=0.45), (case["case"], k)
-        host = [issue_seconds(speed_fit.workload_of(case, n), CALIBRATION) for n in speed_data.CUTS]
+        host = [issue_seconds(speed_data.workload_of(case, n), CALIBRATION) for n in speed_data.CUTS]
         assert 1000 * (host[1] - host[0]) / 2 == pytest.approx(measured["host_ms"], rel=0.35), case["case"]
     assert CALIBRATION.kernel_gpu_s < 5e-6
 
