@@ -92,8 +92,9 @@ def test_first_rows_answer_the_speed_goal_the_anchor_and_the_mixtures_of_experts
 
 def test_packed_rows_run_the_anchors_shape_with_and_without_sdpas_dense_mask(tmp_path, monkeypatch):
     """anchor-packed and anchor-packed-varlen: the anchor's shape (no recompute) in rows packed with
-    shorter examples, under SDPA, whose dense mask the plan counts (each layer's bf16 copy and the
-    boolean mask: 2.0 GiB more), and under --attention varlen, which builds none."""
+    shorter examples, under SDPA, whose dense mask the plan counts (each layer's bf16 copy and the KV
+    heads repeated for it, and the boolean mask: 5.0 GiB more), and under --attention varlen, which
+    builds none."""
     from dataclasses import replace
 
     args = throughput.parse_args(["--dry-run", "--work", str(tmp_path)])
@@ -101,7 +102,7 @@ def test_packed_rows_run_the_anchors_shape_with_and_without_sdpas_dense_mask(tmp
     assert sdpa.shape == varlen.shape == replace(rows.LLAMA, example_len=512)
     assert [throughput.workload(row, args).dense_mask for row in (sdpa, varlen)] == [True, False]
     planned = [throughput.planned(row, args)["planned_allocated_gib"] for row in (sdpa, varlen)]
-    assert planned[0] - planned[1] == pytest.approx(2 * 4096 * (32 * 2 * 4096 + 4096) / 2**30, abs=0.02)
+    assert planned[0] - planned[1] == pytest.approx(2 * 4096 * (32 * (2 * 4096 + 2 * 2 * 24 * 128) + 4096) / 2**30, abs=0.02)
     written = []
     monkeypatch.setattr(throughput.memory, "random_checkpoint", lambda *a, **k: written.append(a[0]))
     throughput.prepare(sdpa, args, runner=None, later=set())
