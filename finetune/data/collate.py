@@ -15,7 +15,7 @@ class Collator:
     `position_ids` and no `attention_mask`, since a mask would switch off transformers' detection of
     the example boundaries (see packing.py); their padding gets positions 0, 1, … of its own, so it
     is one more example that nothing attends to and that has no loss. With `flatten` (an attention
-    kernel that reads the examples' offsets: config.switches.FLATTENING_ATTENTIONS), packed rows
+    kernel that reads the examples' offsets: finetune.config.switches.FLATTENING_ATTENTIONS), packed rows
     come as one row instead (`flattened`).
 
     Why not transformers' DataCollatorForSeq2Seq for unpacked rows: it pads on the tokenizer's
