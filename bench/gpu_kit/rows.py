@@ -3,7 +3,7 @@
 A row is a shape and a program. The shape: a catalog model (whole, or cut to its first N decoder
 layers at full width: the real hidden size, heads, experts and vocabulary), the method, what LoRA
 adapts, the sequence length and the micro batch (rows of exactly that many tokens, bf16, LoRA r16
-alpha 32). The program:
+alpha 32; or, with `example_len`, rows packed with shorter examples). The program:
 
 - finetune with the flags `finetune plan` prints for the shape on the GPU found (`plan=(...)`: extra
   `finetune plan` flags that pin a choice, such as --no-gradient-checkpointing; `plan=()` leaves every
@@ -46,6 +46,7 @@ class Shape:
     lora_targets: str = "all-linear"
     seq_len: int = 4096
     micro_batch_size: int = 2
+    example_len: int | None = None  # --packing rows of examples of this many characters (+16, a token each)
 
     @property
     def name(self) -> str:
@@ -60,7 +61,8 @@ class Shape:
     @property
     def label(self) -> str:
         targets = "" if self.lora_targets == "all-linear" else f" {self.lora_targets}"
-        return f"{self.name} {self.method}{targets} s{self.seq_len} b{self.micro_batch_size}"
+        packed = "" if self.example_len is None else f" packed {self.example_len}"
+        return f"{self.name} {self.method}{targets} s{self.seq_len} b{self.micro_batch_size}{packed}"
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ GPT_OSS = Shape("gpt-oss-20b", layers=2, lora_targets="all-linear+experts")
 # NVIDIA NeMo AutoModel's fastest published single-GPU LoRA run: Llama-3.1-8B, LoRA r16 alpha 32 on all
 # linear layers, seq 4096, micro batch 2 of full-length rows, bf16, no activation recomputation
 NEMO = Published(12_473, "NeMo AutoModel, 1× H100, no recompute, FlashAttention 2 + Liger + a Triton LoRA kernel")
+PACKED = replace(LLAMA, example_len=512)  # the anchor's shape, about 7 examples a row
 
 FIRST = (
     Row("mistral-best", MISTRAL, plan=()),
@@ -118,6 +121,8 @@ REST = (
     Row("mistral-best-fp8-compile", MISTRAL, plan=("--fp8", "--compile")),
     Row("anchor-compile", LLAMA, plan=("--no-gradient-checkpointing", "--compile"), published=NEMO),
     Row("anchor-fp8-compile", LLAMA, plan=("--no-gradient-checkpointing", "--fp8", "--compile"), published=NEMO),
+    Row("anchor-packed", PACKED, flags=("--no-gradient-checkpointing", "--packing")),
+    Row("anchor-packed-varlen", PACKED, flags=("--no-gradient-checkpointing", "--packing", "--attention", "varlen")),
 )
 ROWS = FIRST + REST
 GROUPS = {"first": FIRST, "rest": REST, "all": ROWS}

@@ -81,8 +81,8 @@ def checkpoint(shape: Shape, args: argparse.Namespace) -> Path:
 
 
 def data(shape: Shape, args: argparse.Namespace) -> Path:
-    """memory.py's text rows of the shape's sequence length (shared with it in --work)."""
-    return args.work / f"data-{shape.seq_len}.jsonl"
+    """memory.py's text rows of the shape's sequence length (shared with it in --work), or of its examples' length."""
+    return args.work / (f"data-{shape.seq_len}.jsonl" if shape.example_len is None else f"data-packed-{shape.example_len}.jsonl")
 
 
 def run_dir(row: Row, args: argparse.Namespace) -> Path:
@@ -197,7 +197,8 @@ def dry_run(args: argparse.Namespace) -> None:
 def prepare(row: Row, args: argparse.Namespace, runner: RowRunner, later: set[str]) -> None:
     """The row's text rows and random-init checkpoint, written once in --work. Short of disk, the
     checkpoints no later row (`later`: their shapes' names) needs make room first. Raises OSError."""
-    memory.write_text_data(data(row.shape, args), row.shape.seq_len)
+    length = row.shape.example_len or row.shape.seq_len  # packed rows: as many tokens in shorter examples
+    memory.write_text_data(data(row.shape, args), length, memory.DATA_ROWS * row.shape.seq_len // length)
     write = functools.partial(memory.random_checkpoint, row.shape.model, args.work / "random-init",
                               seconds_left(args, 900), runner, row.shape.layers)
     try:

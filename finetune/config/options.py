@@ -21,7 +21,7 @@ from finetune.errors import ConfigError
 from finetune.models import catalog, source
 
 FORMATS = ("auto", "alpaca", "chat", "sharegpt", "text")
-ATTENTIONS = ("auto", "sdpa", "flex", "flash")
+ATTENTIONS = ("auto", "sdpa", "varlen", "flex", "flash")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISION_CHOICES = ("auto", *PRECISIONS)
@@ -52,7 +52,7 @@ class TrainConfig:
     chunked_loss: bool | None = _field(None, "Loss through the LM head a chunk of tokens at a time, never holding the full-vocabulary logits (as TRL's fused LM head and axolotl's chunked cross-entropy); unset: on for LoRA and QLoRA and under --tp (each rank reads its vocabulary shard of the head), except where Liger's fused loss runs, under ZeRO-3, with LoRA on lm_head, and for architectures it does not cover (llama, mistral, qwen2 are).")
     compile: bool | None = _field(None, "Regional compilation: torch.compile each decoder block in place (compile time reported apart from tokens/s, kernels cached in ~/.cache/finetune/inductor); off unless given until measured on a GPU.")
     fp8: bool = _field(False, "LoRA only: the frozen base's matmuls in float8 (weights cast once, inputs and gradients per call, fp32 accumulation); the adapters, attention and loss stay bf16. Needs an NVIDIA GPU of compute capability ≥ 8.9 (L40S, RTX 4090, H100, H200), --precision bf16-true, one GPU or DDP. Off unless given: not yet measured on a GPU.")
-    attention: str = _field("auto", "Attention kernel: sdpa, flex (packed rows as a document mask, no dense mask; GPU only, not yet measured on one), flash (needs flash-attn); auto: sdpa.", ATTENTIONS)
+    attention: str = _field("auto", "Attention kernel: sdpa; varlen (torch's variable-length FlashAttention: each micro-batch of packed rows as one row of examples, no dense mask; CUDA, 16-bit, torch ≥ 2.11, not yet measured on a GPU); flex (packed rows as a document mask; GPU only, not yet measured on one); flash (needs flash-attn; packed rows flattened as for varlen); auto: sdpa.", ATTENTIONS)
     trust_remote_code: bool = _field(False, "Allow model code from the Hub repo to run (off: safe default).")
     deepspeed: str | None = _field(None, "DeepSpeed JSON (e.g. ds_configs/zero3.json); its \"auto\" values are filled from this config.")
     tp: int = _field(1, "Tensor parallelism: split every linear layer of the model over this many processes (one node's GPUs, on NVLink), which read the same rows; the world is data-parallel × tp × cp processes. Runs on FSDP2 (transformers' TP plan); an accelerate config's parallelism_config_tp_size says the same.")

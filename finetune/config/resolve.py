@@ -21,7 +21,7 @@ from finetune.config.names import PRECISIONS, STRATEGIES, Precision, Strategy, c
 from finetune.config.objectives import layout_problems
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, resolve_batch_shape, scaled_lr, validate
 from finetune.config.parallelism import Asked, Parallelism, parallelism_problems, resolve_parallelism
-from finetune.config.switches import Switches, fp8_problem, resolve_switches
+from finetune.config.switches import Switches, attention_problem, fp8_problem, resolve_switches
 from finetune.errors import ConfigError
 from finetune.models import source as model_source
 from finetune.models.catalog import ModelSpec
@@ -189,13 +189,13 @@ class ResolvedRun:
         return self.batch.world_size
 
     def switches(self, head_problem: str | None = None) -> Switches:
-        """Liger, the chunked loss and fused AdamW as this run turns them on (config.switches);
+        """Liger, the chunked loss, fused AdamW and the attention kernel as this run turns them on (config.switches);
         `head_problem`: what the loaded LM head rules out, once there is one."""
         config = self.config
         return resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=self.cuda,
                                 strategy=self.strategy, model_type=self.spec.model_type if self.spec is not None else None,
-                                head_problem=head_problem, tp=config.tp, cp=config.cp)
+                                head_problem=head_problem, tp=config.tp, cp=config.cp, attention=config.attention)
 
     def with_max_steps(self, max_steps: int) -> ResolvedRun:
         return replace(self, max_steps=max_steps)
@@ -265,17 +265,11 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
 
 def check_speed_switches(config: TrainConfig, precision: Precision, strategy: Strategy, device: Device, tp: int) -> None:
     """The switches a run cannot turn on here are refused before anything loads: flex attention on CPU,
-    --fp8 where config.switches.fp8_problem says why."""
-    check_attention(config.attention, device)
+    varlen attention off CUDA or in fp32, --fp8, where config.switches says why."""
+    if why := attention_problem(config.attention, device.cuda, precision.compute):
+        raise ConfigError(why)
     if config.fp8 and (why := fp8_problem(config.method, precision.name, strategy, device.fp8, tp)):
         raise ConfigError(why)
-
-
-def check_attention(attention: str, device: Device) -> None:
-    """FlexAttention has no backward on CPU: a CPU run asking for it would fail at its first backward."""
-    if attention == "flex" and not device.cuda:
-        raise ConfigError("--attention flex needs a GPU (FlexAttention has no backward on CPU); on CPU use --attention "
-                          "sdpa (or auto).")
 
 
 def check_seq_len(max_seq_len: int, spec: ModelSpec | None) -> None:

@@ -1,8 +1,10 @@
-"""How the switches a run may leave unset resolve: Liger kernels, the chunked loss, fused AdamW.
+"""How the switches a run may leave unset resolve: Liger kernels, the chunked loss, fused AdamW, and
+the attention kernel.
 
-`resolve_switches` decides all three from the flags and the facts of the run (device, strategy,
-model type, method, LoRA targets and, once the model is loaded, its LM head). `finetune plan`,
-`--dry-run`, the fit check and the run itself call it alike, so a plan counts what the run turns on.
+`resolve_switches` decides them from the flags and the facts of the run (device, strategy, model
+type, method, LoRA targets and, once the model is loaded, its LM head). `finetune plan`, `--dry-run`,
+the fit check and the run itself call it alike, so a plan counts what the run turns on (the dense
+mask of packed rows under SDPA included: plan.workload.from_run).
 
 Liger's fused linear cross-entropy and finetune's chunked loss both read the LM head's weight
 outside the head's own forward, so one gate (`head_read_blocked`) keeps both out of the runs where
@@ -31,6 +33,7 @@ class Switches:
     loss: str  # one of LOSSES
     fused_adamw: bool  # torch AdamW(fused=True): one kernel per step, no foreach temporaries
     notes: tuple[str, ...] = ()
+    attention: str = "sdpa"  # "sdpa", "varlen", "flex" or "flash" (resolve_attention)
 
     @property
     def liger(self) -> bool:
@@ -43,12 +46,13 @@ class Switches:
 
 def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer: str, method: str, lora_targets: str,
                      cuda: bool, strategy: Strategy, model_type: str | None, head_problem: str | None = None,
-                     assume_liger: bool = False, tp: int = 1, cp: int = 1) -> Switches:
+                     assume_liger: bool = False, tp: int = 1, cp: int = 1, attention: str = "auto") -> Switches:
     """The run's loss and optimizer kernel. `liger` / `chunked_loss`: the flags (None: unset);
     `head_problem`: what the loaded LM head rules out (train.chunked_loss.head_problem; None
     before loading, as in a plan). `assume_liger`: `finetune plan`, planning for another machine,
     takes an asked-for Liger that is not installed here to be installed there. `tp`, `cp`: the
-    run's tensor- and context-parallel sizes (config/parallelism.py).
+    run's tensor- and context-parallel sizes (config/parallelism.py). `attention`: --attention
+    (resolve_attention).
 
     Liger, unset: on where it can run (a CUDA device, liger-kernel installed and importable, the
     architecture covered), like TRL's `use_liger_kernel`. Where Liger is wanted but cannot run, one
@@ -70,7 +74,55 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
         notes.append(f"--chunked-loss: {why_not_chunked}; using {instead}")
     chunked_on = why_not_chunked is None and chunked_loss_wanted(asked, method, tp)
     loss = "liger" if liger_on else "finetune-chunked" if chunked_on else "transformers"
-    return Switches(loss=loss, fused_adamw=fused_adamw(optimizer, cuda, strategy), notes=tuple(notes))
+    attention, attention_note = resolve_attention(attention)
+    return Switches(loss=loss, fused_adamw=fused_adamw(optimizer, cuda, strategy),
+                    notes=tuple(notes) + ((attention_note,) if attention_note else ()), attention=attention)
+
+
+# The attention kernels that read each packed example's bounds from sequence lengths (transformers'
+# flash_attention_2, train/packed_attention.py's varlen): the collator hands them each micro-batch of
+# packed rows flattened into one row with the examples' offsets (data/collate.py), since transformers'
+# flash path finds the examples of packed rows from their position ids only when the batch is one row.
+FLATTENING_ATTENTIONS = ("varlen", "flash")
+# torch.nn.attention.varlen.varlen_attn with `scale` and causal `window_size` (torch 2.10's took is_causal)
+VARLEN_TORCH = (2, 11)
+
+
+def resolve_attention(asked: str) -> tuple[str, str | None]:
+    """The attention kernel a run asking for `asked` uses, and a note when that is not what it asked
+    for. `auto` is SDPA, packed rows included: varlen and flex have not run on a GPU yet."""
+    if asked == "auto":
+        return "sdpa", None
+    if asked == "flash" and importlib.util.find_spec("flash_attn") is None:
+        return "sdpa", "--attention flash: flash-attn is not installed; using sdpa"
+    return asked, None
+
+
+def attention_problem(attention: str, cuda: bool, compute_dtype: str) -> str | None:
+    """Why --attention `attention` cannot run on this device at this compute dtype, or None:
+    resolve_run refuses it before anything loads."""
+    if attention == "flex" and not cuda:
+        return ("--attention flex needs a GPU (FlexAttention has no backward on CPU); on CPU use --attention "
+                "sdpa (or auto).")
+    if attention != "varlen":
+        return None
+    if not cuda:
+        return ("--attention varlen needs a CUDA GPU (torch's variable-length attention runs FlashAttention "
+                "kernels, CUDA only); on CPU use --attention sdpa (or auto).")
+    if compute_dtype == "float32":
+        return ("--attention varlen runs FlashAttention, which takes 16-bit inputs: use --precision bf16-true "
+                "or bf16-mixed (fp16 likewise), not fp32.")
+    version = _version("torch")
+    if _major_minor(version) < VARLEN_TORCH:
+        return (f"--attention varlen needs torch ≥ {'.'.join(map(str, VARLEN_TORCH))} (torch.nn.attention.varlen "
+                f"with causal windows); this is torch {version}: upgrade torch or use --attention sdpa.")
+    return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """(2, 11) of "2.11.0+cu130"; (0, 0) for a version that does not read so."""
+    parts = version.split(".")
+    return (int(parts[0]), int(parts[1])) if len(parts) > 1 and parts[0].isdigit() and parts[1].isdigit() else (0, 0)
 
 
 # Liger under context parallelism: each rank's slice of a row comes with its labels shifted already,

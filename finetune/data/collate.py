@@ -14,7 +14,9 @@ class Collator:
     Unpacked rows get an `attention_mask` (1 on tokens, 0 on padding). Packed rows get
     `position_ids` and no `attention_mask`, since a mask would switch off transformers' detection of
     the example boundaries (see packing.py); their padding gets positions 0, 1, … of its own, so it
-    is one more example that nothing attends to and that has no loss.
+    is one more example that nothing attends to and that has no loss. With `flatten` (an attention
+    kernel that reads the examples' offsets: finetune.config.switches.FLATTENING_ATTENTIONS), packed rows
+    come as one row instead (`flattened`).
 
     Why not transformers' DataCollatorForSeq2Seq for unpacked rows: it pads on the tokenizer's
     `padding_side`, which is "left" for many chat tokenizers, and without position ids a Llama-family
@@ -23,14 +25,17 @@ class Collator:
     not pad: loop.greedy_completions answers one prompt at a time), and serves packed rows too.
     """
 
-    def __init__(self, tokenizer, context_parallel: int = 1):
+    def __init__(self, tokenizer, context_parallel: int = 1, flatten: bool = False):
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_token_id is None:
             raise FinetuneError("The tokenizer has neither a pad nor an EOS token to pad batches with.")
         self.pad_token_id = pad_token_id  # any id works: padding is never attended to nor learnt
         self.context_parallel = context_parallel
+        self.flatten = flatten
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
+        if self.flatten and "position_ids" in rows[0]:
+            return flattened(rows)
         width = max(len(row["input_ids"]) for row in rows)
         if self.context_parallel > 1:  # 2 chunks per rank of each row (ring attention's load balance)
             width = -(-width // (2 * self.context_parallel)) * 2 * self.context_parallel
@@ -95,3 +100,22 @@ class PreferenceCollator:
             for key, names in sides.items():
                 batch[key] = torch.cat([self.reference[name][index] for name in names])
         return batch
+
+
+def flattened(rows: list[dict]) -> dict[str, torch.Tensor | int]:
+    """Packed rows as one row of their examples, without padding, for attention kernels that take
+    each example's offsets: `cu_seq_lens_q` / `_k` (int32: where each example starts, then the total)
+    and `max_length_q` / `_k` (the longest example, an int, so no layer asks the GPU for it), the
+    keywords transformers hands its attention functions. transformers' flash path finds the examples
+    of packed rows from their position ids only when the batch is a single row, so a micro-batch of
+    several rows would let examples attend to each other. The loss is a token-weighted sum, so the
+    one row trains as the rows do: its only new pairs, a row's last token with the next row's first
+    label, predict nothing, since packing masks every example's first label."""
+    positions = [position for row in rows for position in row["position_ids"]]
+    offsets = [i for i, position in enumerate(positions) if position == 0] + [len(positions)]
+    longest = max(end - start for start, end in zip(offsets, offsets[1:]))
+    cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
+    return {"input_ids": torch.tensor([[token for row in rows for token in row["input_ids"]]]),
+            "labels": torch.tensor([[label for row in rows for label in row["labels"]]]),
+            "position_ids": torch.tensor([positions]),
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest}

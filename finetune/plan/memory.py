@@ -227,7 +227,7 @@ def layer_activation_bytes(w: Workload) -> float:
     inter = spec.shared_expert_intermediate_size if spec.moe else spec.intermediate_size  # MoE: the shared expert
     residual = residual_bytes(w)
     out = residual if w.method == "qlora" else e  # dtype of a projection's output
-    attn = e if p.autocast else out  # SDPA runs under autocast in 16 bits
+    attn = attention_bytes(w)
     full = w.method == "full"
     lora = None if full else resolve_lora_targets(spec, w.lora_targets, w.method)
     targets = () if full else tuple(linear.name for linear in layer_linears(spec) if lora.adapts(linear.name))
@@ -260,8 +260,7 @@ def layer_activation_bytes(w: Workload) -> float:
         saved += attn * (q_width + 2 * kv_width) + (4 + attn) * spec.num_heads * w.seq_len
     else:
         saved += attn * (2 * q_width + 2 * kv_width) + 4 * spec.num_heads  # q, k, v, out, logsumexp
-        if w.attention == "sdpa" and spec.masks_attention(w.seq_len, w.inert_window_kept):  # SDPA casts the boolean mask in every layer
-            saved += attn * w.seq_len
+    saved += dense_mask_bytes(w) + repeated_kv_bytes(w)
     saved += out * inter * (3 if spec.mlp_gated else 1)  # gate, up, act(gate) | act input
     if spec.moe:
         saved += moe.routed_activation_bytes(w)
@@ -276,6 +275,30 @@ def liger_layer_savings(w: Workload, h: int, inter: int, residual: int, out: int
         return 0.0
     norms = w.model.norms_per_layer * (h * (4 - residual) - 4) if not w.model.norm_bias else 0
     return norms + (out * inter if w.model.mlp_gated else 0)
+
+
+def attention_bytes(w: Workload) -> int:
+    """Bytes per element of attention's inputs and output: SDPA runs under autocast in 16 bits, else in
+    the projections' output dtype (the residual stream's under QLoRA, whose 4-bit linears return it)."""
+    p = w.precision
+    return p.compute_bytes if p.autocast or w.method != "qlora" else residual_bytes(w)
+
+
+def dense_mask_bytes(w: Workload) -> float:
+    """Bytes per token a decoder layer saves of the explicit mask SDPA gets (Workload.masked_sdpa: packed
+    rows, or a sliding window shorter than the row): SDPA converts the boolean micro × s × s mask
+    to the query's dtype and saves that copy for backward."""
+    return attention_bytes(w) * w.seq_len if w.masked_sdpa else 0.0
+
+
+def repeated_kv_bytes(w: Workload) -> float:
+    """Bytes per token a decoder layer saves beyond q, k, v and the output when SDPA gets an explicit mask
+    (Workload.masked_sdpa) and the model groups its KV heads: handed a mask, transformers repeats keys and
+    values to every query head before SDPA (its `use_gqa_in_sdpa`), and SDPA saves the repeated ones."""
+    if not w.masked_sdpa:
+        return 0.0
+    spec = parallel.rank_spec(w.model, w.tp)
+    return 2 * attention_bytes(w) * (spec.num_heads - spec.num_kv_heads) * spec.resolved_head_dim
 
 
 def _linear_inputs(width, dtype_bytes, consumers, full, targets, e, autocast, adapter, dropout) -> float:
@@ -376,9 +399,12 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     recomputed = w.recomputed_layers
     layer_input = spec.hidden_size * residual_bytes(w) / parallel.sequence_shards(w)  # what a checkpointed layer keeps
     kept = recomputed * layer_input + (spec.num_layers - recomputed) * layer
+    if w.masked_sdpa:  # the boolean mask (micro × s² bytes): through the forward, and to the end of backward as an
+        kept += w.seq_len  # input of every recomputed layer
     at_loss = loss_activation_bytes(w) + LOSS_SCRATCH_PER_HIDDEN * spec.hidden_size + moe.router_logits_bytes(w)
     last_recomputed = recomputed == spec.num_layers
-    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * layer
+    masked = dense_mask_bytes(w) + repeated_kv_bytes(w)  # SDPA's masked path: no scratch of their own (simulated)
+    in_layer = (layer if last_recomputed else 0.0) + LAYER_SCRATCH * (layer - masked)
     if w.strategy.fsdp and w.method != "full" and not recomputed:
         # adapters under FSDP2: the largest working set (working_set_bytes) comes once backward has
         # released the last layer's saved activations (FSDPMemTracker, tests/plan/test_planner_simulate.py;
@@ -424,6 +450,11 @@ def unmeasured_terms(w: Workload) -> list[str]:
     if kept and (w.partial_checkpointing or w.tokens_per_micro_batch > MEASURED_KEPT_TOKENS):
         terms.append(f"activations of the {kept} decoder layers that keep theirs "
                      f"({kept_layer_activations(w) / GIB:.1f} GiB at {w.tokens_per_micro_batch:,} tokens per micro-batch)")
+    if w.dense_mask:  # each layer that keeps its activations holds its copies, a recomputed one while it runs
+        holding = kept + (w.recomputed_layers > 0)
+        mask = w.tokens_per_micro_batch * (holding * (dense_mask_bytes(w) + repeated_kv_bytes(w)) + w.seq_len)
+        terms.append(f"packed rows' attention mask under SDPA, with the KV heads repeated for it ({mask / GIB:.1f} GiB, "
+                     "simulated on CPU; --attention varlen builds none)")
     if w.loss_form == "liger":
         terms.append("Liger's fused loss (counted as holding no logits)")
     if w.loss_form == "finetune-chunked":

@@ -470,13 +470,13 @@ def gpu_seconds(w: Workload, c: Calibration) -> float:
 def attention_cost(w: Workload, c: Calibration) -> float:
     """Seconds of attention per causal attention FLOP, in matmul-FLOP seconds. Flash kernels (SDPA
     without a mask, flex) skip the masked half at the chip's fitted speed, slower for small heads; an
-    explicit mask (a sliding window shorter than the row, ModelSpec.masks_attention) sends SDPA to its
-    memory-efficient kernel, which computes every score at its own fitted speed; eager attention
+    explicit mask (Workload.masked_sdpa: packed rows, or a sliding window shorter than the row) sends SDPA
+    to its memory-efficient kernel, which computes every score at its own fitted speed; eager attention
     computes every score with two batched matmuls at the matmul rate (the s² scores it writes are
     memory traffic, plan/traffic.py)."""
     if w.attention == "eager":
         return 2.0
-    if w.attention == "sdpa" and w.model.masks_attention(w.seq_len, w.inert_window_kept):
+    if w.masked_sdpa:
         return 2.0 / c.masked_attention_speed
     return 1.0 / (c.attention(w.gpu.chip) * (SMALL_HEAD_ATTENTION if w.model.resolved_head_dim < 128 else 1.0))
 

@@ -100,6 +100,10 @@ def layer_forward_bytes(w: Workload) -> float:
         moved += sum(linear.fan_in for linear in layer_linears(spec)) * (4 + e)
     if w.attention == "eager":  # every query's row of scores, every head
         moved += spec.num_heads * w.seq_len * EAGER_SCORE_BYTES
+    if w.dense_mask:  # packed rows under SDPA: every query's row of the mask, once for all heads. ASSUMED
+        # from torch's code, not timed on a GPU: SDPA converts the boolean mask to the query's dtype (1 byte
+        # read, e written per element) and its memory-efficient kernel reads that copy (e)
+        moved += w.seq_len * (1 + 2 * e)
     if spec.moe:  # tokens gathered to their experts and back, in the layers that hold experts
         moved += moe.routing_bytes(w) * spec.moe_layers / spec.num_layers
     return moved + adapter_forward_bytes(w)

@@ -59,6 +59,9 @@ class Workload:
     bnb_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit kept its 16-bit input for backward
     loss: str = "transformers"  # how logits and cross-entropy are held (config.switches.LOSSES): see memory.LOSS_BYTES_PER_VOCAB
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s² term) or "eager"
+    # packed rows under SDPA: transformers' block-diagonal mask, micro × s × s (plan.memory, plan.traffic);
+    # none for unpacked full-length rows, nor where the kernel keeps packed examples apart (varlen, flex, flash)
+    dense_mask: bool = False
     fused_optimizer: bool = False  # torch AdamW(fused=True): no foreach temporaries at the step
     compile: bool = False  # regional compilation of the decoder blocks (--compile): see plan.speed
     fp8: bool = False  # LoRA's frozen base linears in float8 matmuls (--fp8, train/fp8.py): plan.memory, plan.speed
@@ -69,8 +72,16 @@ class Workload:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", named(STRATEGIES, self.strategy, "--strategy"))
         object.__setattr__(self, "precision", named(PRECISIONS, self.precision, "--precision"))
-        if not self.model.family.sdpa:  # gpt-oss's attention sinks: transformers runs it eagerly
+        if not self.model.family.sdpa:  # gpt-oss's attention sinks: transformers runs it eagerly (its mask unplanned)
             object.__setattr__(self, "attention", "eager")
+            object.__setattr__(self, "dense_mask", False)
+
+    @property
+    def masked_sdpa(self) -> bool:
+        """SDPA gets an explicit micro × s × s mask: packed rows (`dense_mask`), or a sliding window
+        shorter than the row (ModelSpec.masks_attention). It converts the mask in every layer and runs its
+        memory-efficient kernel over every score (plan.memory, plan.speed; plan.traffic for packed rows)."""
+        return self.attention == "sdpa" and (self.dense_mask or self.model.masks_attention(self.seq_len, self.inert_window_kept))
 
     @property
     def world_size(self) -> int:
@@ -169,11 +180,12 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
         tp=run.parallelism.tp, cp=run.parallelism.cp,
         efficient_loading=run.launch.fsdp_cpu_ram_efficient_loading or not run.strategy.fsdp,
-        # Liger, the chunked loss and fused AdamW as the run resolves them (config.switches);
-        # compilation is off unless asked for
+        # Liger, the chunked loss, fused AdamW and the attention kernel as the run resolves them
+        # (config.switches); compilation is off unless asked for
         loss=switches.loss, fused_optimizer=switches.fused_adamw, compile=bool(config.compile), fp8=config.fp8,
         objective=config.objective,
         precompute_reference=precomputes_reference(config.objective, config.precompute_reference, config.method),
+        dense_mask=config.packing and switches.attention == "sdpa",
     )
 
 

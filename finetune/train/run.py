@@ -37,7 +37,7 @@ from finetune.train.objectives import build_objective
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
 from finetune.train.reference import build_reference
 from finetune.train.session import Opened, Session
-from finetune.train.speedups import apply_speedups
+from finetune.train.speedups import apply_speedups, flattens_packed_rows
 
 
 def main(command: Command) -> int:
@@ -146,7 +146,7 @@ def build_collators(run: ResolvedRun, model: torch.nn.Module, tokenizer) -> tupl
     PreferenceCollator per split (each receives its split's precomputed reference, if any), and the
     model's forward learns to return sequence log-probabilities (train/log_probs.py)."""
     if not OBJECTIVES[run.config.objective].preference:
-        collator = Collator(tokenizer, context_parallel=run.parallelism.cp)
+        collator = Collator(tokenizer, context_parallel=run.parallelism.cp, flatten=flattens_packed_rows(model))
         return collator, collator
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     log_probs.install(base, log_probs.form_of(run, base))

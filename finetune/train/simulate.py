@@ -72,14 +72,14 @@ class Simulation:
 def simulate(run: ResolvedRun) -> Simulation:
     """Peak tracked memory of one GPU over two accumulation micro-steps of `run` (of one rank's share,
     `one_rank`, under TP or CP). Raises FinetuneError for a run outside CHECKS."""
-    reason = cannot_simulate(from_run(run, gpu_catalog.get("H100")))  # the checks do not depend on the GPU
-    if reason is not None:
+    w = from_run(run, gpu_catalog.get("H100"))  # the checks do not depend on the GPU
+    if (reason := cannot_simulate(w)) is not None:
         raise FinetuneError(f"--simulate checks {CHECKS}, not {reason}.")
     if run.parallelism.tp > 1:
-        return _simulate_tensor_parallel(run)
+        return _simulate_tensor_parallel(run, w.dense_mask)
     run = one_rank(run)
     if run.strategy.fsdp:
-        return _simulate_fsdp(run)
+        return _simulate_fsdp(run, w.dense_mask)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from finetune.train import loading
@@ -92,7 +92,7 @@ def simulate(run: ResolvedRun) -> Simulation:
         tracker = _frozen_aware(MemTracker)()
         tracker.track_external(model, optimizer, *([] if reference is None else [reference]))
         with tracker:
-            _steps(run, model, optimizer, tracker, reference)
+            _steps(run, model, optimizer, tracker, w.dense_mask, reference)
         return _result(tracker)
 
 
@@ -178,18 +178,22 @@ def _unit_aware(tracker_class):
     return UnitAwareTracker
 
 
-def _steps(run: ResolvedRun, model, optimizer, tracker, reference=None) -> None:
+def _steps(run: ResolvedRun, model, optimizer, tracker, dense_mask: bool = False, reference=None) -> None:
     """Two micro-steps as the loop runs them, under the autocast Accelerate applies for the precision,
-    on rows of whole examples (no padding, no packing): the objective's rows (a pair's two sequences) and
-    forwards (the reference's: adapters off, the frozen copy `reference`, or none when precomputed)."""
+    on rows of whole examples (no padding, no packing), or with `dense_mask` (packed rows under SDPA)
+    on rows of two examples each, whose block-diagonal mask transformers builds as for a packed run;
+    the objective's rows (a pair's two sequences) and forwards (the reference's: adapters off, the
+    frozen copy `reference`, or none when precomputed)."""
+    import contextlib
     from unittest import mock
 
     import torch
 
-    spec, batch = run.spec, run.batch
+    spec, batch, length = run.spec, run.batch, run.config.max_seq_len
     objective = objective_of(run, reference)
     rows = batch.micro_batch_size * objective.objective.sequences
-    tokens = torch.randint(0, spec.vocab_size, (rows, run.config.max_seq_len))
+    tokens = torch.randint(0, spec.vocab_size, (rows, length))
+    positions = torch.cat([torch.arange(length // 2), torch.arange(length - length // 2)]).expand_as(tokens) if dense_mask else None
     micro_batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens}
     if objective.objective.policy_no_grad_sequences:  # KTO: each row's mismatched sequence, and its label
         micro_batch.update(kl_input_ids=tokens, kl_attention_mask=torch.ones_like(tokens), kl_labels=tokens,
@@ -199,14 +203,16 @@ def _steps(run: ResolvedRun, model, optimizer, tracker, reference=None) -> None:
     # transformers looks for packed examples in the positions, which fake tensors cannot show it: it would
     # build a seq × seq mask (2 GiB at 32,768 tokens) and SDPA would repeat the KV heads; rows of one
     # example each have no packed examples, as transformers finds on real positions
-    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None):
+    whole = contextlib.nullcontext() if dense_mask else mock.patch("transformers.masking_utils.find_packed_sequence_indices",
+                                                                   return_value=None)
+    with whole:
         for _ in range(2):
             tracker.reset_mod_stats()  # module stats are per iteration; the global peak is kept
             with autocast:
                 if objective.objective.preference:
                     loss = _preference_loss(objective, model, micro_batch, tracker, torch.tensor(batch.micro_batch_size))
                 else:
-                    loss = model(input_ids=tokens, labels=tokens).loss
+                    loss = model(input_ids=tokens, labels=tokens, position_ids=positions).loss
             loss.backward()
             optimizer.step()  # the first step creates the states; gradients stay, as under accumulation
 
@@ -253,7 +259,7 @@ def objective_of(run: ResolvedRun, reference=None):
     return build_objective(config, None if kind is None else Reference(kind, unwrapped, reference))
 
 
-def _simulate_fsdp(run: ResolvedRun) -> Simulation:
+def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
     """FSDP2 on a fake process group: rank 0's view of a `world_size`-rank job, sharded per decoder
     layer as Accelerate's transformer-based wrap does, with its mixed-precision policy."""
     import torch
@@ -277,20 +283,20 @@ def _simulate_fsdp(run: ResolvedRun) -> Simulation:
                 for layer in [m for m in base.modules() if type(m).__name__ in base._no_split_modules]:
                     fully_shard(layer, mesh=mesh, mp_policy=unit_policy)
                 fully_shard(module, mesh=mesh, mp_policy=unit_policy)
-            return _tracked_steps(run, model, reference)
+            return _tracked_steps(run, model, dense_mask, reference)
 
 
-def _simulate_tensor_parallel(run: ResolvedRun) -> Simulation:
+def _simulate_tensor_parallel(run: ResolvedRun, dense_mask: bool) -> Simulation:
     """TP as load_model lays it out (train/loading.py: transformers' plan with the sequence-parallel
     rules, its FSDP2 over the data-parallel ranks, LoRA, FSDP2 around what it left), on fake tensors
     and a fake process group of the run's world size: rank 0's view, collectives included."""
     with _fake_process_group(run.world_size):
         model, fake_mode = _tensor_parallel_skeleton(run)
         with fake_mode:
-            return _tracked_steps(run, model)
+            return _tracked_steps(run, model, dense_mask)
 
 
-def _tracked_steps(run: ResolvedRun, model, reference=None) -> Simulation:
+def _tracked_steps(run: ResolvedRun, model, dense_mask: bool, reference=None) -> Simulation:
     """Two micro-steps of an FSDP2-wrapped `model` (and a preference objective's FSDP2-wrapped frozen copy
     `reference`), tracked by FSDPMemTracker (inside the fake mode)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -304,7 +310,7 @@ def _tracked_steps(run: ResolvedRun, model, reference=None) -> Simulation:
     if reference is not None:
         tracker.track_external(reference)
     with tracker:
-        _steps(run, model, optimizer, tracker, reference)
+        _steps(run, model, optimizer, tracker, dense_mask, reference)
     return _result(tracker)
 
 

@@ -11,14 +11,17 @@ Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU):
 run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
 it does not hold; compilation off until the GPU kit (bench/gpu_kit/throughput.py) has measured it,
 its time reported apart from training time; `--fp8` off unless given, since it rounds the base's
-matmul operands to float8 and has not run on a GPU; attention `auto` = sdpa, packing included, because flex
-attention is unmeasured on a GPU and transformers 5.17 recompiles it whenever the model flips between
-train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled).
+matmul operands to float8 and has not run on a GPU; attention `auto` = sdpa, packing included, because
+varlen (train/packed_attention.py) and flex attention are unmeasured on a GPU (varlen's kernel does not
+run on CPU at all), and transformers 5.17 recompiles flex attention whenever the model flips between
+train and eval (with --eval-every it can pass Dynamo's recompile limit and run uncompiled). The
+attention kernel resolves in config/switches.py too; what only the loaded model or the GPU can tell
+(varlen on a model with attention sinks or soft-capped scores, or an older GPU) is refused here, before
+training starts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,17 +31,17 @@ import torch
 
 from finetune.config.names import STRATEGIES, Strategy
 from finetune.config.options import TrainConfig
-from finetune.config.switches import Switches, liger_function, resolve_switches
-from finetune.train import chunked_loss, fp8, sliding_window
+from finetune.config.switches import FLATTENING_ATTENTIONS, Switches, liger_function, resolve_switches
+from finetune.errors import ConfigError
+from finetune.train import chunked_loss, fp8, packed_attention, sliding_window
 
 
 @dataclass(frozen=True)
 class Speedups(Switches):
-    """What a run turns on: config.switches' loss and AdamW, and compilation and the attention kernel;
+    """What a run turns on: config.switches' loss, AdamW and attention kernel, and compilation;
     `notes` says why a switch asked for is off."""
 
     compile: bool = False
-    attention: str = "sdpa"  # "sdpa", "flex" or "flash"
     fp8: bool = False  # LoRA's frozen base in float8 matmuls (resolve_run refused it where it cannot run)
 
 
@@ -48,18 +51,22 @@ def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: 
     apply (`head_problem`: what the loaded LM head rules out, train.chunked_loss.head_problem)."""
     switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
                                 method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
-                                model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp)
-    notes = list(switches.notes)
+                                model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp,
+                                attention=config.attention)
     compile_ = bool(config.compile)  # unmeasured on a GPU: off unless asked for
-    attention = "sdpa" if config.attention == "auto" else config.attention  # flex unmeasured on a GPU
-    if attention == "flash" and importlib.util.find_spec("flash_attn") is None:
-        notes, attention = [*notes, "--attention flash: flash-attn is not installed; using sdpa"], "sdpa"
-    return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=tuple(notes), compile=compile_,
-                    attention=attention, fp8=config.fp8)
+    return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=switches.notes, compile=compile_,
+                    attention=switches.attention, fp8=config.fp8)
 
 
 # transformers' names of the attention kernels
-ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2"}
+ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2", "varlen": packed_attention.NAME}
+
+
+def flattens_packed_rows(model: torch.nn.Module) -> bool:
+    """Whether `model`'s attention reads each packed example's offsets (config.switches.FLATTENING_ATTENTIONS),
+    so the collator hands it every micro-batch of packed rows as one row (data/collate.flattened)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config._attn_implementation in [ATTENTION_IMPLEMENTATIONS[name] for name in FLATTENING_ATTENTIONS]
 
 
 def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None],
@@ -73,6 +80,10 @@ def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say:
         liger_function(base.config.model_type)(model=base)
     if chosen.chunked_loss:
         chunked_loss.install(base)
+    if chosen.attention == "varlen":
+        if why := packed_attention.problem(base):
+            raise ConfigError(why)
+        packed_attention.register()
     if chosen.attention != "sdpa":
         base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
     window = sliding_window.switch_off_inert_window(base, config.max_seq_len)

@@ -303,6 +303,23 @@ def test_collator_pads_right_and_masks_padding(tokenizer):
     assert batch["position_ids"].tolist() == [[0, 1, 0], [0, 0, 1]]
 
 
+def test_collator_flattens_packed_rows_into_one_row_with_the_examples_offsets(tokenizer):
+    """For attention kernels that read offsets (--attention varlen, flash): packed rows become one
+    row without padding, with int32 offsets and the longest example as an int; unpacked rows
+    (evaluation) keep their padding and mask."""
+    packed = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 0]},
+              {"input_ids": [8, 9, 10, 11], "labels": [-100, 9, -100, 11], "position_ids": [0, 0, 1, 2]}]
+    batch = Collator(tokenizer, flatten=True)(packed)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 11]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 0, 0, 1, 2]]
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 2, 3, 4, 7]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["max_length_q"] == batch["max_length_k"] == 3 and isinstance(batch["max_length_q"], int)
+    unpacked = Collator(tokenizer, flatten=True)([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}])
+    assert unpacked["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and "cu_seq_lens_q" not in unpacked
+
+
 @pytest.mark.parametrize("name", ["tiny", "mistral-7b", "qwen2.5-7b"])  # Llama, Mistral, Qwen2 classes
 def test_packed_examples_do_not_attend_to_each_other(tokenizer, name):
     """Each packed example's logits equal its logits computed alone: no attention crosses an

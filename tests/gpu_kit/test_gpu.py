@@ -45,7 +45,8 @@ RUN_SECONDS = 150  # one finetune process of these tests; past it, its stack is 
 # accelerate's launcher and a worker, ZeRO-2-offload needs DeepSpeed's CPU Adam (run.sh builds it while
 # the earlier steps run; built here, it adds about a minute)
 NEEDS = {"test_1b_catalog_shape_trains_on_cuda_in_the_planned_dtypes": 40, "test_fsdp2_in_one_process": 60,
-         "test_doctor_sees_the_gpu": 40, "test_zero2_offload_in_one_process": 60}
+         "test_doctor_sees_the_gpu": 40, "test_zero2_offload_in_one_process": 60,
+         "test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example": 40}
 
 
 def skip_past_the_kits_deadline(seconds: float) -> None:
@@ -209,6 +210,44 @@ def test_doctor_sees_the_gpu(tmp_path):
     assert by_check["versions"]["status"] != "fail" and "driver" in by_check["versions"]["detail"]
     assert report["machines"][0]["nccl"] is not None
     assert result.returncode == (0 if report["ok"] else 1)
+
+
+def test_varlen_attention_trains_packed_rows_as_sdpa_trains_each_example(runner, tmp_path):
+    """--attention varlen's kernel, which the CPU tests (tests/train/test_packed_attention.py) replace by
+    SDPA per example: a tiny Llama with grouped KV heads in bf16, a micro-batch of packed rows
+    flattened, gives the loss and gradients of SDPA on the same examples unpacked (bf16: 1 % of the
+    loss, 3 % of each gradient's norm); a short packed run with it learns."""
+    import copy
+
+    from helpers import tiny_model, word_tokenizer
+
+    from finetune.data.collate import Collator
+    from finetune.train import packed_attention
+
+    plain = tiny_model(hidden=128).to("cuda", torch.bfloat16)  # 4 heads of 32, 2 KV heads
+    varlen = copy.deepcopy(plain)
+    varlen.set_attn_implementation(packed_attention.register())
+    g = torch.Generator().manual_seed(0)
+    examples = [torch.randint(1, 62, (n,), generator=g).tolist() for n in (70, 90, 50, 120, 30, 100)]
+    rows = [{"input_ids": e, "labels": e} for e in examples]
+    packed = [{"input_ids": a + b, "labels": [-100] + a[1:] + [-100] + b[1:], "position_ids": [*range(len(a)), *range(len(b))]}
+              for a, b in zip(examples[::2], examples[1::2])]
+    results = []
+    for model, batch in ((plain, Collator(word_tokenizer())(rows)), (varlen, Collator(word_tokenizer(), flatten=True)(packed))):
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss = model(**batch, num_items_in_batch=torch.tensor(sum(len(e) - 1 for e in examples), device="cuda")).loss
+        loss.backward()
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()]))
+    (loss, grads), (loss_varlen, grads_varlen) = results
+    assert loss_varlen == pytest.approx(loss, rel=1e-2)
+    assert all((g - h).norm() <= 0.03 * g.norm() + 1e-6 for g, h in zip(grads, grads_varlen))
+
+    out = tmp_path / "run"
+    output = finetune(runner, tmp_path / "run.log", "--model", "tiny", "--method", "lora", "--precision", "bf16-true", "--lr",
+                      "3e-3", "--packing", "--attention", "varlen", "--micro-batch-size", "4", "--output-dir", str(out), *SHORT)
+    assert "attention varlen" in output
+    losses = [r["loss"] for r in updates(out)]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
 def test_zero2_offload_in_one_process(runner, tmp_path):

@@ -4,6 +4,7 @@ predictions, and run.sh installs and stops cleanly where CUDA is first needed.""
 
 import csv
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -417,14 +418,15 @@ def test_speed_terms_dry_run_plans_each_term_per_layer_and_for_the_rest(tmp_path
 
 def test_speed_terms_run_on_cpu_and_take_the_cuts_difference(tmp_path):
     """The same code on this CPU (tiny shape): both cuts train, the per-layer and rest rows hold the
-    host and wall clocks, the GPU's columns stay empty without CUDA."""
+    host and wall clocks, the GPU's columns stay empty without CUDA. (Their sign is not checked: on a
+    loaded 2-core machine the difference of two tiny cuts' clocks is noise; `parts` is tested below.)"""
     rows = kit_rows(tmp_path, "speed_terms", "--cases", "tiny:lora:32:2,tiny:full:32:1", "--warmup", "1", "--steps", "2")
     assert [(r["case"], r["part"], r["status"]) for r in rows] == [
         ("tiny lora s32 b2", "per layer", "ok"), ("tiny lora s32 b2", "rest", "ok"),
         ("tiny full s32 b1", "per layer", "ok"), ("tiny full s32 b1", "rest", "ok")]
     for r in rows:
         assert r["measured_host_ms"] and r["measured_wall_ms"] and r["planned_host_ms"] and not r["measured_busy_ms"]
-    assert all(float(r["measured_host_ms"]) > 0 for r in rows if r["part"] == "per layer")
+    assert all(math.isfinite(float(r[f"measured_{clock}_ms"])) for r in rows for clock in ("host", "wall"))
 
 
 def test_speed_terms_sort_kernels_into_the_models_terms(monkeypatch):

@@ -51,7 +51,8 @@ def test_dry_run_lists_every_row_with_its_plan_and_command(tmp_path):
             Path(checkpoint).mkdir(parents=True, exist_ok=True)  # finetune's flags want a model folder there
             (Path(checkpoint) / "config.json").write_text(json.dumps(shape.spec.to_hf_config_dict()))
             config = parse_config(argv[2:])
-            assert (config.model, config.dataset) == (checkpoint, str(tmp_path / f"data-{shape.seq_len}.jsonl"))
+            assert (config.model, config.dataset) == (checkpoint, str(throughput.data(shape, args)))
+            assert config.packing == (shape.example_len is not None)
             assert (config.method, config.max_seq_len, config.micro_batch_size, config.lora_targets, config.lora_r,
                     config.lora_alpha, config.precision) == (shape.method, shape.seq_len, shape.micro_batch_size,
                                                              shape.lora_targets, 16, 32, "bf16-true")
@@ -87,6 +88,26 @@ def test_first_rows_answer_the_speed_goal_the_anchor_and_the_mixtures_of_experts
     assert cuts == {(m, k) for m in ("qwen3-30b-a3b", "gpt-oss-20b") for k in ("lora", "qlora")}
     assert all(r.shape.lora_targets == "all-linear+experts" for r in rows.FIRST if r.shape.layers)
     assert len({r.id for r in rows.ROWS}) == len(rows.ROWS)
+
+
+def test_packed_rows_run_the_anchors_shape_with_and_without_sdpas_dense_mask(tmp_path, monkeypatch):
+    """anchor-packed and anchor-packed-varlen: the anchor's shape (no recompute) in rows packed with
+    shorter examples, under SDPA, whose dense mask the plan counts (each layer's bf16 copy and the KV
+    heads repeated for it, and the boolean mask: 5.0 GiB more), and under --attention varlen, which
+    builds none."""
+    from dataclasses import replace
+
+    args = throughput.parse_args(["--dry-run", "--work", str(tmp_path)])
+    sdpa, varlen = rows.select("anchor-packed,anchor-packed-varlen")
+    assert sdpa.shape == varlen.shape == replace(rows.LLAMA, example_len=512)
+    assert [throughput.workload(row, args).dense_mask for row in (sdpa, varlen)] == [True, False]
+    planned = [throughput.planned(row, args)["planned_allocated_gib"] for row in (sdpa, varlen)]
+    assert planned[0] - planned[1] == pytest.approx(2 * 4096 * (32 * (2 * 4096 + 2 * 2 * 24 * 128) + 4096) / 2**30, abs=0.02)
+    written = []
+    monkeypatch.setattr(throughput.memory, "random_checkpoint", lambda *a, **k: written.append(a[0]))
+    throughput.prepare(sdpa, args, runner=None, later=set())
+    texts = [json.loads(line)["text"] for line in throughput.data(sdpa.shape, args).read_text().splitlines()]
+    assert {len(text) for text in texts} == {512 + 16} and len(texts) == memory.DATA_ROWS * 8 and written == ["llama-3.1-8b"]
 
 
 def test_rows_are_picked_by_id_glob_or_group_in_the_order_given(tmp_path):

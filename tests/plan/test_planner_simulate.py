@@ -37,6 +37,10 @@ CASES = {  # name → (catalog shape, layers, training flags, processes under FS
     "full bf16-mixed checkpointing 1 of 4 layers": ("llama-3.2-1b", 4, dict(max_seq_len=1024, gradient_checkpointing=True,
                                                                             gradient_checkpointing_layers=1), 1),
     "lora q,v on qwen2.5": ("qwen2.5-7b", 2, dict(method="lora", lora_targets="q_proj,v_proj", max_seq_len=1024), 1),
+    # packed rows under SDPA: the dense mask, converted and saved by every layer (plan.memory)
+    "lora packed rows seq 4096": ("llama-7b", 2, dict(method="lora", max_seq_len=4096, micro_batch_size=2, packing=True), 1),
+    "lora packed rows checkpointing, grouped KV heads": ("llama-3.1-8b", 4, dict(method="lora", max_seq_len=4096, micro_batch_size=2,
+                                                                             packing=True, gradient_checkpointing=True), 1),
     "fsdp2 full 2 ranks": ("llama-7b", 4, dict(max_seq_len=1024), 2),
     "fsdp2 full 8 ranks seq 2048": ("llama-7b", 4, dict(max_seq_len=2048), 8),
     "fsdp2 lora 4 ranks": ("llama-7b", 4, dict(method="lora", max_seq_len=2048), 4),
@@ -91,3 +95,31 @@ def test_plan_simulate_says_which_plans_it_checks_and_simulates_one_it_can(tmp_p
     qlora, _ = plan(Request(model=spec, gpu=gpus.get("A100-40GB"), gpus_per_node=1, method="qlora", seq_len=512))
     assert simulation_text(qlora, None).endswith("the closest plan is QLoRA (bitsandbytes' 4-bit kernels do not run on "
                                                  "fake tensors). None of these plans is one it checks: nothing simulated.")
+
+
+def test_packed_rows_dense_mask_is_planned_where_the_run_builds_one(tmp_path):
+    """Packed rows under SDPA: transformers' block-diagonal mask, which SDPA converts to bf16 and saves in
+    every layer beside the keys and values transformers repeats to every query head once it hands SDPA
+    a mask (Llama-3.1-8B: 8 KV heads for 32); in the plan's traffic, the mask is converted and read again
+    in every layer's forward. The planned extra over unpacked full-length rows is what two simulated
+    micro-steps add, within 10 %; varlen (and flex) build no mask, and neither do unpacked rows."""
+    from finetune.plan.memory import dense_mask_bytes, layer_activation_bytes, repeated_kv_bytes, unmeasured_terms
+    from finetune.plan.traffic import layer_forward_bytes
+
+    model = shrunk_config_dir(tmp_path / "model", "llama-3.1-8b", 2)
+    runs = {flags: resolve_run(TrainConfig(model=model, method="lora", max_seq_len=4096, micro_batch_size=2, **dict(flags)),
+                               Launch(), H100) for flags in ((), (("packing", True),), (("packing", True), ("attention", "varlen")),
+                                                              (("packing", True), ("attention", "flex")))}
+    plain, packed, varlen, flex = (from_run(run, gpus.get("H100")) for run in runs.values())
+    assert (plain.dense_mask, packed.dense_mask, varlen.dense_mask, flex.dense_mask) == (False, True, False, False)
+    assert (dense_mask_bytes(packed), repeated_kv_bytes(packed)) == (2 * 4096, 2 * 2 * (32 - 8) * 128)  # bf16, per token
+    assert dense_mask_bytes(varlen) == repeated_kv_bytes(varlen) == 0
+    assert layer_activation_bytes(packed) - layer_activation_bytes(plain) == 2 * 4096 + 2 * 2 * 24 * 128
+    assert layer_forward_bytes(packed) - layer_forward_bytes(plain) == 4096 * (1 + 2 * 2)
+    assert estimate(varlen).allocated == estimate(plain).allocated
+    mentioned = [[term for term in unmeasured_terms(w) if term.startswith("packed rows' attention mask")] for w in (packed, varlen)]
+    assert mentioned == [["packed rows' attention mask under SDPA, with the KV heads repeated for it (0.3 GiB, simulated on CPU; "
+                          "--attention varlen builds none)"], []]
+    simulated = simulate(runs[(("packing", True),)]).peak_bytes - simulate(runs[()]).peak_bytes
+    planned = estimate(packed).allocated - estimate(plain).allocated
+    assert planned == pytest.approx(simulated, rel=0.10) and planned > 2 * 2 * 4096**2 * 2  # two layers' bf16 masks

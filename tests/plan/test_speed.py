@@ -99,7 +99,8 @@ def test_a_sliding_window_shorter_than_the_row_sends_attention_to_the_masked_ker
     """Mistral-7B v0.1's 4096-token window. At 4096 tokens it masks nothing, and the trainer switches it
     off (train/sliding_window.py): flash attention skips the masked half. Kept, as transformers builds
     it (TRL, the measured rows), SDPA gets its mask: attention computes every score at the masked
-    kernel's fitted speed, and every layer keeps the mask cast to 16 bits (2 bytes × seq per token).
+    kernel's fitted speed, and every layer keeps the mask cast to 16 bits (2 bytes × seq per token) and
+    the keys and values transformers repeats to every query head once SDPA gets a mask (8 KV heads → 32).
     One token longer, the window bites and is kept either way."""
     switched_off, kept = lora(), lora(inert_window_kept=True)
     spec = switched_off.model
@@ -110,7 +111,7 @@ def test_a_sliding_window_shorter_than_the_row_sends_attention_to_the_masked_ker
     assert estimate_speed(switched_off).tokens_per_second > estimate_speed(kept).tokens_per_second
     unwindowed = lora(model=replace(LLAMA_7B, sliding_window=None), inert_window_kept=True)
     assert not unwindowed.model.masks_attention(10**6, inert_window_kept=True)
-    assert layer_activation_bytes(kept) - layer_activation_bytes(switched_off) == 2 * 4096
+    assert layer_activation_bytes(kept) - layer_activation_bytes(switched_off) == 2 * 4096 + 2 * 2 * (32 - 8) * 128
     longer = lora(seq_len=4097)
     assert layer_activation_bytes(longer) == layer_activation_bytes(replace(longer, inert_window_kept=True))
 
