@@ -1,5 +1,6 @@
 """Shared fixtures: offline environment, session caches, fresh Accelerate state, tiny runs built by
-`train.setup`, the builtin tokenizer, the tiny BPE LoRA run, SmolLM2 and an installed liger-kernel.
+`train.setup`, the builtin tokenizer, the tiny BPE LoRA run (and its folder in the older format), SmolLM2
+and an installed liger-kernel.
 Plain helpers are in helpers.py.
 
 The folders mirror the package: tests/<folder>/ tests finetune/<folder>/ (config, models, data, plan,
@@ -83,6 +84,23 @@ def bpe_lora_run(tmp_path_factory) -> Path:
                 "--eval-split", "0.2", "--save-every", "2", "--num-samples", "0", "--output-dir", str(folder / "run")]) == 0
     reset_accelerate()
     assert cli(["export", str(folder / "run"), "--out", str(folder / "merged"), "--merge-lora"]) == 0
+    return folder
+
+
+@pytest.fixture(scope="session")
+def format_1_run(bpe_lora_run, tmp_path_factory) -> Path:
+    """A copy of `bpe_lora_run`'s run/ as finetune wrote run folders while checkpoint manifests were of
+    format_version 1, the resolved record under "run" (its other files were the same then: a 2-update run
+    of each version differed in that key and the version number only). Written with literal keys, not
+    run_folder's names, so that it stays the old layout whatever the module's names become."""
+    import json
+
+    folder = tmp_path_factory.mktemp("format-1") / "run"
+    shutil.copytree(bpe_lora_run / "run", folder)
+    for path in folder.glob("checkpoints/step-*/manifest.json"):
+        manifest = json.loads(path.read_text())
+        manifest = {("run" if key == "resolved" else key): value for key, value in manifest.items()}
+        path.write_text(json.dumps(manifest | {"format_version": 1}, indent=2) + "\n")
     return folder
 
 

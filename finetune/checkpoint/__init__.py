@@ -1,6 +1,6 @@
 """Crash-safe checkpoints and exact resume, the same for every strategy.
 
-Layout under `<output_dir>/checkpoints/`:
+Layout under `<output_dir>/checkpoints/` (the names: config/run_folder.py):
 
     step-000200/               complete: Accelerate's state + hf/ (model config, tokenizer) + manifest.json
     step-000300.incomplete/    being written, or left by a crash; never resumed from, removed by rotation
@@ -21,8 +21,6 @@ unpickle some files with `weights_only=False`; see `unsafe_pickle_globals`).
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.identity import resume_identity
 from finetune.checkpoint.layout import (
-    HF_DIR,
-    MANIFEST,
     CheckpointError,
     checkpoints_dir,
     complete_checkpoints,
@@ -34,7 +32,7 @@ from finetune.checkpoint.layout import (
 from finetune.checkpoint.safety import unsafe_pickle_globals
 
 __all__ = [
-    "HF_DIR", "MANIFEST", "CheckpointError", "Checkpointer", "checkpoints_dir", "complete_checkpoints",
+    "CheckpointError", "Checkpointer", "checkpoints_dir", "complete_checkpoints",
     "find_checkpoint", "incompleteness", "read_manifest", "resume_identity", "step_dir_name",
     "unsafe_pickle_globals",
 ]

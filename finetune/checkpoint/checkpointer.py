@@ -22,9 +22,7 @@ from accelerate.utils import DistributedType
 from finetune.checkpoint.identity import identity_differences, package_versions, resume_identity
 from finetune.checkpoint.layout import (
     FORMAT_VERSION,
-    HF_DIR,
     INCOMPLETE,
-    MANIFEST,
     CheckpointError,
     checkpoints_dir,
     complete_checkpoints,
@@ -37,6 +35,7 @@ from finetune.checkpoint.layout import (
 )
 from finetune.checkpoint.safety import unsafe_pickle_globals
 from finetune.config.resolve import ResolvedRun
+from finetune.config.run_folder import HF_DIR, MANIFEST, RESOLVED, ResolvedRecord
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -54,12 +53,12 @@ class Checkpointer:
     """
 
     def __init__(self, accelerator: Accelerator, run: ResolvedRun, model: torch.nn.Module,
-                 manifest_extra: dict | None = None, tokenizer: PreTrainedTokenizerBase | None = None):
+                 resolved: ResolvedRecord | None = None, tokenizer: PreTrainedTokenizerBase | None = None):
         self.accelerator = accelerator
         self.run = run
         self.model = model  # as prepared; save_state/load_state reach it through the accelerator
         self.config = config = run.config
-        self.manifest_extra = manifest_extra or {}
+        self.resolved = resolved or ResolvedRecord()  # what the flags resolved to, in every manifest
         self.tokenizer = tokenizer
         self.directory = checkpoints_dir(config.output_dir)
         self.save_every = config.save_every
@@ -186,7 +185,7 @@ class Checkpointer:
             "base_model": self._base_model(),
             "identity": resume_identity(self.run),
             "config": self.config.to_dict(),
-            "run": self.manifest_extra,
+            RESOLVED: self.resolved.to_dict(),
             "versions": package_versions(),
             "files": [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in files],
         }
@@ -222,7 +221,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"Cannot resume from {source}: it was saved by a different run configuration:\n  - "
                 + "\n  - ".join(differences)
-                + "\nUse the checkpoint's settings (its manifest.json lists them), or start a new run in another "
+                + f"\nUse the checkpoint's settings (its {MANIFEST} lists them), or start a new run in another "
                 "--output-dir. To continue from its weights with other settings, `finetune export` it and pass "
                 "the exported folder as --model."
             )

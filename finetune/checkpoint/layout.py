@@ -1,4 +1,5 @@
-"""Where checkpoints live and when one is complete: names, manifest, finding the newest."""
+"""Where checkpoints live and when one is complete: step-N names, the manifest, finding the newest.
+The file names they share with the rest of a run's folder are config/run_folder.py's."""
 
 from __future__ import annotations
 
@@ -7,15 +8,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.config.run_folder import MANIFEST, RunFolder
 from finetune.errors import CheckpointError
 
-CHECKPOINTS_DIR = "checkpoints"
-MANIFEST = "manifest.json"
-HF_DIR = "hf"  # model config, generation config, tokenizer (and adapter config): what export needs besides weights
 INCOMPLETE = ".incomplete"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-FORMAT_VERSION = 1
-
+FORMAT_VERSION = 2  # 2: the resolved record under run_folder.RESOLVED (1: under run_folder.FORMER_MANIFEST_KEY)
 
 
 def step_dir_name(step: int) -> str:
@@ -23,7 +21,7 @@ def step_dir_name(step: int) -> str:
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS_DIR
+    return RunFolder(output_dir).checkpoints
 
 
 def read_manifest(checkpoint: Path) -> dict:

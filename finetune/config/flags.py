@@ -17,6 +17,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from finetune.config.options import EVERY_OPTION, TrainConfig, flag_name, validate
+from finetune.config.run_folder import RESOLVED
 from finetune.errors import ConfigError
 
 
@@ -46,7 +47,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
     data = {key.replace("-", "_"): value for key, value in data.items()}
-    data.pop("resolved", None)  # derived values that `save_yaml` records for reading, not options
+    data.pop(RESOLVED, None)  # a run.yaml's record of what the flags resolved to (config/run_folder.py), not options
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -189,9 +190,6 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     return parse_command(argv).config
 
 
-def save_yaml(config: TrainConfig, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-    """Write the resolved configuration (plus derived values under `resolved:`) as YAML."""
-    data = config.to_dict()
-    if extra:
-        data["resolved"] = extra
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+def save_yaml(config: TrainConfig, path: str | Path) -> None:
+    """Write `config` as a YAML file `--config` loads back (a run's own run.yaml: run_folder.RunFolder)."""
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

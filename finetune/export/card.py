@@ -1,6 +1,7 @@
 """The `README.md` every export writes: a Hugging Face model card (YAML front matter + body) built
-from what the run recorded — its resolved config (a checkpoint's manifest, or run.yaml beside a
-final model), steps and tokens trained, and the eval records of metrics.jsonl."""
+from what the run recorded — its options and ResolvedRecord (a checkpoint's manifest, or run.yaml
+beside a final model), steps and tokens trained, and the eval rows of metrics.jsonl — all read
+through config/run_folder.py, so writing a card loads no torch."""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 import finetune
-from finetune.checkpoint.layout import MANIFEST
+from finetune.config.run_folder import MANIFEST, MODEL_CARD, ResolvedRecord, RunFolder
 from finetune.errors import FinetuneError
 from finetune.models.catalog import looks_like_path
 from finetune.models.gguf_import import file_type as gguf_file_type
 from finetune.models.source import ModelSource, model_source
-from finetune.train.metrics import read_metrics
 
 TEMPLATE = Path(__file__).with_name("model_card_template.md")  # shipped as package data (pyproject.toml)
 # licenses of catalogued base models, by Hub id prefix (the model pages' `license:` fields)
@@ -42,30 +40,26 @@ class RunRecord:
     """What a run recorded about the training behind an export."""
 
     config: dict  # TrainConfig.to_dict()
-    resolved: dict  # derived values: global batch, max steps, peak lr, precision, strategy, examples
+    resolved: ResolvedRecord  # global batch, max steps, peak lr, precision, strategy, examples
     step: int
     tokens_seen: int | None
-    evals: list[dict]  # metrics.jsonl records holding eval metrics, up to `step`
+    evals: list[dict]  # metrics.jsonl rows holding eval metrics, up to `step`
 
 
 def read_run_record(trained) -> RunRecord:
     """The record of `trained` (an export.trained.Trained): a checkpoint's manifest, or the finished run's
-    run.yaml and summary.json; eval records from the output dir's metrics.jsonl."""
+    run.yaml and summary; eval rows from the output dir's metrics."""
     if trained.is_checkpoint:
         manifest = json.loads((trained.path / MANIFEST).read_text())
-        config, resolved = manifest["config"], manifest.get("run") or {}
+        config, resolved = manifest["config"], ResolvedRecord.of_manifest(manifest)
         step, tokens = manifest["step"], manifest.get("tokens_seen")
-        output_dir = trained.path.parent.parent
+        folder = RunFolder.of_checkpoint(trained.path)
     else:
-        run = yaml.safe_load((trained.path / "run.yaml").read_text())
-        resolved = run.pop("resolved", None) or {}
-        config, output_dir = run, trained.path
-        summary_path = trained.path / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        step, tokens = summary.get("steps", resolved.get("max_steps", 0)), summary.get("tokens_seen")
-    metrics = output_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.is_file() else []
-    evals = [r for r in records if any(k in r for k in EVAL_METRICS) and r["step"] <= step]
+        folder = RunFolder(trained.path)
+        config, resolved = folder.read_run_yaml()
+        summary = folder.read_summary()
+        step, tokens = summary.get("steps", resolved.max_steps or 0), summary.get("tokens_seen")
+    evals = [r for r in folder.read_metrics() if any(k in r for k in EVAL_METRICS) and r["step"] <= step]
     return RunRecord(config=config, resolved=resolved, step=step, tokens_seen=tokens, evals=evals)
 
 
@@ -108,17 +102,17 @@ def model_card(record: RunRecord, export_format: str, title: str) -> str:
         "method": METHOD_NAMES[method] + (
             f": r={config['lora_r']}, alpha={config['lora_alpha']}, dropout={config['lora_dropout']}, "
             f"targets {config['lora_targets']}" if method != "full" else ""),
-        "data": f"`{dataset}` ({resolved.get('format', config['format'])}; "
-                f"{_count(resolved.get('train_examples'))} train / {_count(resolved.get('eval_examples'))} eval examples)",
-        "optimizer steps": f"{record.step:,}" + (f" of {resolved['max_steps']:,}" if resolved.get("max_steps") else ""),
+        "data": f"`{dataset}` ({_known(resolved.format, config['format'])}; "
+                f"{_count(resolved.train_examples)} train / {_count(resolved.eval_examples)} eval examples)",
+        "optimizer steps": f"{record.step:,}" + (f" of {resolved.max_steps:,}" if resolved.max_steps else ""),
         "tokens trained on": _count(record.tokens_seen),
-        "batch": (f"micro {config['micro_batch_size']} × accumulation {resolved.get('gradient_accumulation_steps', '?')}"
-                  f" × {resolved.get('world_size', '?')} processes = {resolved.get('global_batch_size', '?')} examples"),
+        "batch": (f"micro {config['micro_batch_size']} × accumulation {_known(resolved.gradient_accumulation_steps)}"
+                  f" × {_known(resolved.world_size)} processes = {_known(resolved.global_batch_size)} examples"),
         "max sequence length": f"{_count(config['max_seq_len'])} tokens" + (" (packed)" if config["packing"] is True else ""),
-        "learning rate": f"{_number(resolved.get('peak_lr', config['lr']))} peak, {config['lr_schedule']} schedule, "
+        "learning rate": f"{_number(_known(resolved.peak_lr, config['lr']))} peak, {config['lr_schedule']} schedule, "
                          f"{config['warmup_steps']} warmup steps, {config['optimizer']}",
-        "precision": resolved.get("precision", config["precision"]),
-        "strategy": resolved.get("strategy", "?"),
+        "precision": _known(resolved.precision, config["precision"]),
+        "strategy": _known(resolved.strategy),
         "seed": config["seed"],
     }
     evaluation = _eval_table(record.evals) or ["No evaluation was recorded (the run had --max-eval-examples 0 or no eval split)."]
@@ -175,6 +169,11 @@ def _usage(gguf: bool, adapter: bool, base: str | None) -> list[str]:
             "tokenizer = AutoTokenizer.from_pretrained(folder)", "```"]
 
 
+def _known(value, otherwise="?"):
+    """A record's value, or `otherwise` where the record lacks it (written by another version)."""
+    return otherwise if value is None else value
+
+
 def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) else "?"
 
@@ -186,6 +185,6 @@ def _number(value) -> str:
 def write_model_card(trained, out: Path, export_format: str, title: str | None = None) -> Path:
     """Write `<out>/README.md` for the export of `trained` (an export.trained.Trained) as `export_format`;
     the title defaults to the folder's name."""
-    path = Path(out) / "README.md"
+    path = Path(out) / MODEL_CARD
     path.write_text(model_card(read_run_record(trained), export_format, title=title or Path(out).name))
     return path

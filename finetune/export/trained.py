@@ -1,6 +1,7 @@
 """What an export reads: a complete training checkpoint, or the final model a finished run saved in its
 output dir (safetensors beside run.yaml), whichever is newer; found, described (`Trained`), and
-read through the checkpoint's own `Weights` reader (checkpoint/weights.py).
+read through the checkpoint's own `Weights` reader (checkpoint/weights.py). The run's folder is read
+through config/run_folder.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from pathlib import Path
 import yaml
 
 from finetune.checkpoint.layout import (
-    HF_DIR,
-    MANIFEST,
     STEP_DIR,
     CheckpointError,
     checkpoints_dir,
@@ -22,11 +21,9 @@ from finetune.checkpoint.layout import (
     read_manifest,
 )
 from finetune.checkpoint.weights import SafetensorsWeights, Weights, open_weights
+from finetune.config.run_folder import HF_DIR, MANIFEST, RUN_FILES, RUN_YAML, RunFolder
 
 ADAPTER_CONFIG = "adapter_config.json"
-
-# what a run writes into its output dir besides the final model (train/run.py, train/metrics.py, train/accelerator.py)
-RUN_FILES = {"run.yaml", "summary.json", "metrics.jsonl", "loss_curve.png", "deepspeed_config.json", "README.md"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ def find_trained(source: str | Path) -> Trained:
     if final is None and not checkpoints and not (path / MANIFEST).exists() and not STEP_DIR.match(path.name):
         raise CheckpointError(
             f"Nothing to export in {path}: no complete checkpoint ({checkpoints_dir(path)}/step-NNNNNN/{MANIFEST}) "
-            "and no final model (model.safetensors or adapter_model.safetensors beside run.yaml, as a finished "
+            f"and no final model (model.safetensors or adapter_model.safetensors beside {RUN_YAML}, as a finished "
             "run saves them). Pass a run's output dir or one of its checkpoint folders."
         )
     checkpoint = find_checkpoint(path)
@@ -81,20 +78,20 @@ def find_trained(source: str | Path) -> Trained:
 def _final_model(output_dir: Path) -> Trained | None:
     """The model `run.py` saved at the end of training in `output_dir`, or None."""
     try:
-        run = yaml.safe_load((output_dir / "run.yaml").read_text())
-        method, resolved = run["method"], run.get("resolved") or {}
+        config, resolved = RunFolder(output_dir).read_run_yaml()
+        method = config["method"]
         weight_files = _saved_weight_files(output_dir, "model" if method == "full" else "adapter_model")
         base_model = None
         if weight_files and method != "full":
             base_model = json.loads((output_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError):  # no finished run here
         return None
-    if not weight_files:
+    if not weight_files or resolved.precision is None:  # a run.yaml no run wrote (it records the precision)
         return None
     hf_files = tuple(p for p in sorted(output_dir.iterdir()) if p.is_file() and p.name not in RUN_FILES
                      and not p.name.endswith((".safetensors", ".safetensors.index.json")))
     return Trained(path=output_dir, method=method, base_model=base_model,
-                   precision=resolved["precision"], hf_files=hf_files,
+                   precision=resolved.precision, hf_files=hf_files,
                    weight_files=tuple(weight_files))
 
 
@@ -109,8 +106,8 @@ def _saved_weight_files(folder: Path, stem: str) -> list[Path]:
 
 
 def _final_step(output_dir: Path) -> int:
-    """The step the final model was saved at (summary.json), -1 when unknown."""
+    """The step the final model was saved at (the run's summary), -1 when unknown."""
     try:
-        return int(json.loads((output_dir / "summary.json").read_text())["steps"])
+        return int(RunFolder(output_dir).read_summary()["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return -1

@@ -5,14 +5,14 @@ report printed (`format_report`).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.checkpoint.layout import complete_checkpoints, read_manifest
 from finetune.config.names import STRATEGIES
-from finetune.train.metrics import read_metrics
+from finetune.config.run_folder import CHECKPOINTS_DIR, RunFolder
 
 
 @dataclass
@@ -52,17 +52,16 @@ EXPLANATIONS = (
 def inspect_run(run_dir: Path, steps: int, log: str) -> Rehearsal:
     """Read what a rehearsal run left behind and list everything that is missing or wrong."""
     result = Rehearsal(passed=True, output_dir=str(run_dir), log=log)
-    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").is_file())
+    folder = RunFolder(run_dir)
+    checkpoints = complete_checkpoints(folder.checkpoints)
     if checkpoints:
-        manifest = json.loads((checkpoints[-1] / "manifest.json").read_text())
+        manifest = read_manifest(checkpoints[-1])
         result.strategy = f"{STRATEGIES[manifest['strategy']].label} on cpu, {manifest['world_size']} process(es)"
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.is_file() else []
-    steps_seen = [r for r in records if "loss" in r and "lr" in r]
+    steps_seen = [r for r in folder.read_metrics() if "loss" in r and "lr" in r]
     result.losses = [r["loss"] for r in steps_seen]
     result.lrs = [r["lr"] for r in steps_seen]
     if len(steps_seen) != steps:
-        result.problems.append(f"expected {steps} logged optimizer steps, found {len(steps_seen)} in {metrics}")
+        result.problems.append(f"expected {steps} logged optimizer steps, found {len(steps_seen)} in {folder.metrics}")
     if any(not math.isfinite(loss) for loss in result.losses):
         result.problems.append(f"non-finite loss: {result.losses}")
     weights = sorted(run_dir.glob("*.safetensors"))
@@ -74,9 +73,9 @@ def inspect_run(run_dir: Path, steps: int, log: str) -> Rehearsal:
     if not weights:
         result.problems.append(f"no final model (*.safetensors) in {run_dir}")
     if checkpoints:
-        result.saved.append(f"checkpoints/{checkpoints[-1].name}")
+        result.saved.append(f"{CHECKPOINTS_DIR}/{checkpoints[-1].name}")
     else:
-        result.problems.append(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+        result.problems.append(f"no complete checkpoint under {folder.checkpoints}")
     result.passed = not result.problems
     return result
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from finetune.config.flags import parse_command, save_yaml
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
+from finetune.config.run_folder import RunFolder
 from finetune.errors import FinetuneError
 from finetune.launch import rehearse
 from finetune.plan.gpus import GPUSpec, identify
@@ -41,7 +42,6 @@ from finetune.plan.memory import model_states
 from finetune.plan.speed import collectives, exposed_seconds, training_flops
 from finetune.plan.workload import Workload, from_run
 from finetune.train.accelerator import free_port
-from finetune.train.metrics import read_metrics
 
 # Run-to-run spread of tokens/s ((max - min) / median over the repeats) above which a process
 # count's numbers say more about the machine's other load than about scaling.
@@ -151,7 +151,7 @@ def run_once(config: TrainConfig, accelerate_config: str | None, processes: int,
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).strip().splitlines()[-15:])
         raise FinetuneError(f"scaling: the {processes}-process run failed (exit {finished.returncode}; log: {log}):\n{tail}")
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    steps = [r for r in RunFolder(run_dir).read_metrics() if "loss" in r]
     tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps, steps)]  # records hold running totals
     timed = [(n, n / r["tokens_per_second"]) for n, r in zip(tokens, steps) if r["step"] > warmup]
     seconds = sum(s for _, s in timed)

@@ -30,10 +30,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from finetune.config import deepspeed_json
 from finetune.config.names import trains_pure_bf16
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
+from finetune.config.run_folder import DEEPSPEED_CONFIG, RunFolder
 from finetune.errors import ConfigError
 from finetune.train import parallel, preflight
-
-RESOLVED_DEEPSPEED_FILE = "deepspeed_config.json"
 
 
 def launched() -> bool:
@@ -89,7 +88,7 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
         checked = preflight.run_checks(accelerator, config.output_dir, dog)
     if deepspeed is not None and accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        deepspeed_json.write(deepspeed.config, Path(config.output_dir) / RESOLVED_DEEPSPEED_FILE)
+        deepspeed_json.write(deepspeed.config, RunFolder(config.output_dir).deepspeed_config)
     accelerator.print(describe_setup(accelerator, run) + "\n" + checked)
     return accelerator
 
@@ -194,7 +193,7 @@ def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
         lines += [
             f"ZeRO stage {deepspeed_json.zero_stage(deepspeed.config)}, offload "
             + (", ".join(f"{name} → {device}" for name, device in offload.items()) or "none"),
-            f"DeepSpeed config: {deepspeed.source}, resolved into {RESOLVED_DEEPSPEED_FILE}",
+            f"DeepSpeed config: {deepspeed.source}, resolved into {DEEPSPEED_CONFIG}",
             *deepspeed.notes,
         ]
     lines.append(

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from finetune.config.run_folder import RunFolder, read_metrics
 from finetune.train.speedups import compile_seconds
 
 
@@ -35,7 +36,7 @@ class MetricsRecorder:
         self.accelerator = accelerator
         self.log_every = log_every
         self.max_steps = max_steps
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = RunFolder(output_dir).metrics
         self.active = accelerator.is_main_process
         self.tokens = 0
         self.compiled = compile_seconds()  # compilation so far; each update's share is reported apart
@@ -94,10 +95,6 @@ def keep_records_before_resume(path: Path, step: int) -> None:
         return
     kept = [r for r in read_metrics(path) if r["step"] < step or (r["step"] == step and "eval_loss" not in r)]
     path.write_text("".join(json.dumps(record) + "\n" for record in kept))
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path) -> None:

@@ -10,7 +10,6 @@ runs with `setup` too, so what they check is what a user's run does.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -22,10 +21,11 @@ from torch.utils.data import DataLoader
 
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
-from finetune.config.flags import Command, save_yaml
+from finetune.config.flags import Command
 from finetune.config.objectives import OBJECTIVES
 from finetune.config.options import EVERY_OPTION, BatchShape, TrainConfig, planned_epochs
 from finetune.config.resolve import Device, Launch, ResolvedRun, resolve_run
+from finetune.config.run_folder import ResolvedRecord, RunFolder
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.collate import PreferenceCollator
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
@@ -131,8 +131,8 @@ def build(run: ResolvedRun, opened: Opened) -> Session:
     # before a resume loads the checkpoint: a precomputed reference reads the weights as they loaded
     objective = build_objective(config, build_reference(run, accelerator, model, data, collators))
 
-    resolved = resolved_numbers(run, accelerator.unwrap_model(model), data)
-    checkpointer = opened.checkpointer = Checkpointer(accelerator, run, model, manifest_extra=resolved, tokenizer=tokenizer)
+    resolved = resolved_record(run, accelerator.unwrap_model(model), data)
+    checkpointer = opened.checkpointer = Checkpointer(accelerator, run, model, resolved=resolved, tokenizer=tokenizer)
     resume(checkpointer, scheduler, progress, run.max_steps)
     announce(run, accelerator, data, resolved, accelerator.unwrap_model(model))
     evaluate = build_evaluation(config, accelerator, model, tokenizer, data, collators[1], run.batch.micro_batch_size,
@@ -165,7 +165,7 @@ def train_dataloader(rows, batch: BatchShape, config: TrainConfig, collator: Col
 def fit(session: Session) -> dict:
     """Train the built run to its last step (or a preemption), save, evaluate, report; returns the
     summary also written to `<output_dir>/summary.json`."""
-    s, config, output_dir = session, session.config, Path(session.config.output_dir)
+    s, config, folder = session, session.config, RunFolder(session.config.output_dir)
     before = s.evaluate() if s.evaluate else {}
     metrics = s.recorder()
     if before:
@@ -186,7 +186,7 @@ def fit(session: Session) -> dict:
     metrics.close()
 
     if config.save_final:
-        save_final(s.accelerator, s.model, s.tokenizer, output_dir)
+        save_final(s.accelerator, s.model, s.tokenizer, folder.path)
     summary = {
         "steps": s.progress.step, "tokens_seen": s.progress.tokens_seen,
         "eval_loss_before": before.get("eval_loss"), "eval_loss_after": after.get("eval_loss"),
@@ -199,8 +199,8 @@ def fit(session: Session) -> dict:
         summary.update({f"{name}_{when}": result.get(name) for name in PREFERENCE_NUMBERS
                         for when, result in (("before", before), ("after", after))})
     if s.accelerator.is_main_process:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
+        folder.write_summary(summary)
+        plot_loss_curve(folder.metrics, folder.loss_curve)
         s.accelerator.print(format_summary(summary))
     return summary
 
@@ -218,15 +218,15 @@ def max_steps_of(config: TrainConfig, batch: BatchShape, train_examples: int) ->
     return config.max_steps or max(1, int(planned_epochs(config) * windows_per_epoch))
 
 
-def resolved_numbers(run: ResolvedRun, model: torch.nn.Module, data: PreparedData) -> dict:
+def resolved_record(run: ResolvedRun, model: torch.nn.Module, data: PreparedData) -> ResolvedRecord:
     """What the flags resolved to on this launch: written to run.yaml and every checkpoint's manifest."""
     batch = run.batch
     trainable, total = inventory.parameter_counts(model)
-    return {"world_size": batch.world_size, "gradient_accumulation_steps": batch.gradient_accumulation_steps,
-            "global_batch_size": batch.global_batch_size, "max_steps": run.max_steps, "peak_lr": run.peak_lr,
-            "precision": run.precision.name, "strategy": run.strategy.name, "format": data.format,
-            "train_examples": len(data.train), "eval_examples": len(data.eval),
-            "trainable_parameters": trainable, "total_parameters": total}
+    return ResolvedRecord(world_size=batch.world_size, gradient_accumulation_steps=batch.gradient_accumulation_steps,
+                          global_batch_size=batch.global_batch_size, max_steps=run.max_steps, peak_lr=run.peak_lr,
+                          precision=run.precision.name, strategy=run.strategy.name, format=data.format,
+                          train_examples=len(data.train), eval_examples=len(data.eval),
+                          trainable_parameters=trainable, total_parameters=total)
 
 
 def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps: int) -> None:
@@ -241,16 +241,16 @@ def resume(checkpointer: Checkpointer, scheduler, progress: Progress, max_steps:
             say(schedule_change)
 
 
-def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: dict,
+def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, resolved: ResolvedRecord,
              model: torch.nn.Module) -> None:
     """run.yaml, the run's shape printed as nanoGPT prints its derived numbers (what trains, by kind),
     and the trackers."""
     config = run.config
     if accelerator.is_main_process:
-        save_yaml(config, Path(config.output_dir) / "run.yaml", extra=resolved)
+        RunFolder(config.output_dir).write_run_yaml(config, resolved)
     say = accelerator.print
-    say(f"model {config.model} ({config.method}): {resolved['trainable_parameters']:,} trainable of "
-        f"{resolved['total_parameters']:,} parameters")
+    say(f"model {config.model} ({config.method}): {resolved.trainable_parameters:,} trainable of "
+        f"{resolved.total_parameters:,} parameters")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     say(inventory.table(inventory.by_kind(model, base.config.model_type)))
     for warning in inventory.lora_warnings(config, base.config.model_type):

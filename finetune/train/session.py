@@ -22,6 +22,7 @@ from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.progress import Progress
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import ResolvedRun
+from finetune.config.run_folder import ResolvedRecord
 from finetune.data import Collator, PreparedData
 from finetune.train.metrics import MetricsRecorder
 from finetune.train.objectives import Preference, Supervised
@@ -88,7 +89,7 @@ class Session:
     progress: Progress  # where a resume left it
     checkpointer: Checkpointer
     evaluate: Callable[[], dict] | None  # None when eval is off
-    resolved: dict  # the derived numbers, for run.yaml and every checkpoint manifest
+    resolved: ResolvedRecord  # what the flags resolved to, in run.yaml and every checkpoint manifest
     opened: Opened  # what setup opened
     objective: Supervised | Preference | None = None  # what the loss is (train/objectives.py); None: supervised
 

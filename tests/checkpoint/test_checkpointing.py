@@ -16,6 +16,7 @@ from helpers import WORD_RUN_ROWS, WORD_RUN_WORDS, train_steps, weights
 from safetensors import safe_open
 
 from finetune.checkpoint import layout
+from finetune.config.run_folder import FORMER_MANIFEST_KEY, RESOLVED, ResolvedRecord
 from finetune.errors import CheckpointError
 
 
@@ -34,9 +35,11 @@ def test_layout_and_manifest_written_last(make_run):
     assert manifest["world_size"] == 1 and manifest["strategy"] == "single" and manifest["model_weights"] == "all"
     assert manifest["identity"]["global_batch_size"] == 16 and manifest["config"]["save_every"] == 2
     trainable = sum(p.numel() for p in run.model.parameters())
-    # the run's resolved numbers: --eval-split 0.05 holds 3 rows out, and eval is off
-    assert {k: manifest["run"][k] for k in ("train_examples", "eval_examples", "format", "trainable_parameters")} == {
-        "train_examples": WORD_RUN_ROWS - 3, "eval_examples": 0, "format": "text", "trainable_parameters": trainable}
+    # the run's resolved record, under its one key: --eval-split 0.05 holds 3 rows out, and eval is off
+    record = ResolvedRecord.of_manifest(manifest)
+    assert RESOLVED in manifest and FORMER_MANIFEST_KEY not in manifest and record == run.resolved
+    assert (record.train_examples, record.eval_examples, record.format, record.trainable_parameters) == (
+        WORD_RUN_ROWS - 3, 0, "text", trainable)
     assert manifest["base_model"] == str(folder.parents[1] / "base_model")
     assert set(manifest["versions"]) >= {"torch", "accelerate", "transformers", "safetensors"}
     with safe_open(str(folder / "model.safetensors"), "pt") as f:

@@ -21,7 +21,7 @@ from helpers import REPO, preempt_after, reset_accelerate, tiny_model_dir, word_
 
 from finetune import cli
 from finetune.config.options import TrainConfig
-from finetune.train.metrics import read_metrics
+from finetune.config.run_folder import read_metrics
 from finetune.train.optim import LRSchedule
 from finetune.train.run import fit, resolve, setup
 

@@ -11,7 +11,7 @@ import torch
 from helpers import preempt_after, reset_accelerate, tiny_model_dir, write_jsonl
 
 from finetune.config.options import TrainConfig
-from finetune.train.metrics import read_metrics
+from finetune.config.run_folder import read_metrics
 from finetune.train.run import fit, resolve, setup
 
 STEPS = 5  # 12 pairs / (micro 2 × accumulation 2) = 3 updates per epoch: a stop at 2 is mid-epoch

@@ -30,8 +30,8 @@ import torch
 from helpers import REPO
 from safetensors.torch import load_file
 
+from finetune.config.run_folder import read_metrics
 from finetune.export.safetensors import export
-from finetune.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process runs: CI's second step
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, make_venv_seeing_these_packages
 
-from finetune.train.metrics import keep_records_before_resume, read_metrics
+from finetune.config.run_folder import read_metrics
+from finetune.train.metrics import keep_records_before_resume
 
 # the default tiny model and builtin data, small enough for a step well under a second on an idle core
 QUICK = ["--micro-batch-size", "2", "--max-seq-len", "64", "--max-eval-examples", "0", "--num-samples", "0",

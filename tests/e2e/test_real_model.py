@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from finetune.config.names import IGNORE_INDEX
 from finetune.config.options import TrainConfig
+from finetune.config.run_folder import read_metrics
 from finetune.data import prepare_data
 from finetune.launch import rehearsal_outcome, rehearse
 from finetune.models import gguf_import
@@ -28,7 +29,6 @@ from finetune.models.catalog import get
 from finetune.models.source import model_source
 from finetune.train import loading
 from finetune.train.accelerator import free_port
-from finetune.train.metrics import read_metrics
 from finetune.train.run import resolve
 
 pytestmark = pytest.mark.slow

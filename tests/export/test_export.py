@@ -102,15 +102,15 @@ def test_export_refusals(make_run, tmp_path):
 
 
 def test_output_dir_export_takes_the_newer_of_final_model_and_checkpoint(make_run, tmp_path):
-    from finetune.config.flags import save_yaml
+    from finetune.config.run_folder import ResolvedRecord, RunFolder
     from finetune.train.run import save_final
 
     run = make_run(save_every=2)
     train_steps(run, 2)
     output_dir = tmp_path / "out"
     save_final(run.accelerator, run.model, run.tokenizer, output_dir)  # as run.py ends a run
-    save_yaml(run.config, output_dir / "run.yaml", extra={"precision": "fp32"})
-    (output_dir / "summary.json").write_text(json.dumps({"steps": 2}))
+    RunFolder(output_dir).write_run_yaml(run.config, ResolvedRecord(precision="fp32"))
+    RunFolder(output_dir).write_summary({"steps": 2})
     assert find_trained(output_dir).path == output_dir  # as new as checkpoints/step-000002: the final model
 
     exported = export(output_dir, tmp_path / "final")

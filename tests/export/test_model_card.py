@@ -10,9 +10,9 @@ from huggingface_hub import ModelCard
 
 from finetune.cli import main as cli
 from finetune.config.options import TrainConfig
+from finetune.config.run_folder import ResolvedRecord, read_metrics
 from finetune.export.card import RunRecord, model_card
 from finetune.export.safetensors import export
-from finetune.train.metrics import read_metrics
 
 
 def card_of(folder) -> ModelCard:
@@ -50,20 +50,21 @@ def test_card_of_a_checkpoint_stops_at_its_step(bpe_lora_run, tmp_path):
 
 def test_card_names_a_catalogued_base_its_license_and_a_hub_dataset():
     config = TrainConfig(model="llama-3.2-1b", method="qlora", dataset="tatsu-lab/alpaca").to_dict()
-    record = RunRecord(config=config, resolved={}, step=10, tokens_seen=None, evals=[])
+    record = RunRecord(config=config, resolved=ResolvedRecord(), step=10, tokens_seen=None, evals=[])
     card = ModelCard(model_card(record, "GGUF (q8_0)", title="mine"))
     assert card.data.to_dict() == {
         "base_model": "meta-llama/Llama-3.2-1B", "datasets": ["tatsu-lab/alpaca"], "library_name": "gguf",
         "license": "llama3.2", "pipeline_tag": "text-generation", "tags": ["finetune", "qlora", "gguf"]}
     assert "No evaluation was recorded" in card.text and "| optimizer steps | 10 |" in card.text
     hub = TrainConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").to_dict()
-    data = ModelCard(model_card(RunRecord(hub, {}, 1, 5, []), "safetensors (bf16)", "x")).data
+    data = ModelCard(model_card(RunRecord(hub, ResolvedRecord(), 1, 5, []), "safetensors (bf16)", "x")).data
     assert (data.base_model, data.license, data.library_name) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "transformers")
-    packaged = ModelCard(model_card(RunRecord({"model": "smollm2-135m", "method": "lora"}, {}, 1, 5, []), "GGUF (f16)", "x"))
+    packaged = ModelCard(model_card(RunRecord({"model": "smollm2-135m", "method": "lora"}, ResolvedRecord(), 1, 5, []), "GGUF (f16)", "x"))
     # base and license from its GGUF's source
     assert (packaged.data.base_model, packaged.data.license) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
     assert "| base weights | dequantised from SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1) |" in packaged.text
-    sparse = ModelCard(model_card(RunRecord({"method": "full"}, {}, 3, None, []), "safetensors (fp32)", "x"))  # a bare manifest
+    bare = RunRecord({"method": "full"}, ResolvedRecord(), 3, None, [])  # a bare manifest
+    sparse = ModelCard(model_card(bare, "safetensors (fp32)", "x"))
     assert "| optimizer steps | 3 |" in sparse.text and "| seed | ? |" in sparse.text and sparse.data.base_model is None
 
 
@@ -75,13 +76,35 @@ def test_card_names_a_local_dataset_by_file_name_and_a_gguf_file_by_name_and_typ
     gguf = model_source("smollm2-135m").gguf
     local_data = str(tmp_path / "private" / "chats.jsonl")
     config = TrainConfig(model=str(gguf), method="lora", dataset=local_data).to_dict()
-    card = ModelCard(model_card(RunRecord(config, {}, 1, 5, []), "safetensors (fp32, adapters merged)", "x"))
+    card = ModelCard(model_card(RunRecord(config, ResolvedRecord(), 1, 5, []), "safetensors (fp32, adapters merged)", "x"))
     assert "datasets" not in card.data.to_dict() and str(tmp_path) not in card.content and str(gguf.parent) not in card.content
     assert "| data | `chats.jsonl` (auto; ? train / ? eval examples) |" in card.text
     assert "| base model | `SmolLM2-135M-Instruct.Q4_1.gguf` |" in card.text
     assert "| base weights | dequantised from SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1) |" in card.text
     relative = TrainConfig(model="tiny", dataset="data/train.jsonl").to_dict()  # a relative path is not a Hub id
-    assert ModelCard(model_card(RunRecord(relative, {}, 1, 5, []), "safetensors (fp32)", "x")).data.datasets is None
+    assert ModelCard(model_card(RunRecord(relative, ResolvedRecord(), 1, 5, []), "safetensors (fp32)", "x")).data.datasets is None
+
+
+def test_the_card_reads_a_run_and_writes_its_text_without_torch(bpe_lora_run):
+    """In a fresh process: the card module, the run record of a final model and of a checkpoint, and the
+    card's text load no torch (they read the run's folder through config/run_folder.py)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from finetune.export.card import model_card, read_run_record
+assert "torch" not in sys.modules, "importing finetune.export.card loaded torch"
+run = Path({str(bpe_lora_run / "run")!r})
+for trained in (SimpleNamespace(path=run, is_checkpoint=False),
+                SimpleNamespace(path=run / "checkpoints" / "step-000002", is_checkpoint=True)):
+    text = model_card(read_run_record(trained), "PEFT adapter", title="adapter")
+    assert "32 train / 8 eval examples" in text, text
+assert "torch" not in sys.modules, "reading the run or writing the card loaded torch"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_push_to_hub_offline_fails_before_anything_is_written(bpe_lora_run, tmp_path, capsys):

@@ -23,7 +23,7 @@ import memory  # noqa: E402
 import wheels  # noqa: E402
 from forked import RowRunner, run_logged  # noqa: E402
 
-from finetune.train.metrics import read_metrics  # noqa: E402
+from finetune.config.run_folder import read_metrics  # noqa: E402
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:

@@ -154,6 +154,15 @@ def test_inspect_run_finds_empty_adapters_and_missing_checkpoints(tmp_path):
     ]
 
 
+def test_inspect_run_reads_an_old_folder_as_the_same_folder_today(format_1_run, bpe_lora_run):
+    """The rehearsal reads checkpoints through checkpoint/layout.py and metrics through run_folder.py,
+    whichever key the manifests keep the resolved record under."""
+    old, new = (rehearsal_outcome.inspect_run(folder, steps=1, log="") for folder in (format_1_run, bpe_lora_run / "run"))
+    assert old.passed and old.problems == [] and old.strategy == "single device on cpu, 1 process(es)"
+    assert old.saved[-1] == "checkpoints/step-000004" and len(old.losses) == 1
+    assert (old.strategy, old.losses, old.lrs, old.saved) == (new.strategy, new.losses, new.lrs, new.saved)
+
+
 # a DeepSpeed JSON written for an 8-GPU cluster, and the accelerate config it is launched with
 CLUSTER_JSON = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "train_batch_size": 256,
                 "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},

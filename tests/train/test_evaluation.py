@@ -12,9 +12,9 @@ import pytest
 from finetune import cli
 from finetune.config.flags import parse_config
 from finetune.config.options import TrainConfig
+from finetune.config.run_folder import read_metrics
 from finetune.errors import ConfigError
 from finetune.train import loop, run
-from finetune.train.metrics import read_metrics
 
 SHORT = ["--max-steps", "2", "--micro-batch-size", "4", "--warmup-steps", "1", "--log-every", "1", "--num-samples", "1"]
 

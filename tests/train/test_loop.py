@@ -14,10 +14,11 @@ from torch.utils.data import DataLoader
 
 from finetune.checkpoint.progress import Progress
 from finetune.config.options import TrainConfig
+from finetune.config.run_folder import read_metrics
 from finetune.data import Collator
 from finetune.train import loop
 from finetune.train.accelerator import build_accelerator
-from finetune.train.metrics import MetricsRecorder, read_metrics
+from finetune.train.metrics import MetricsRecorder
 from finetune.train.optim import LRSchedule, build_scheduler, continue_schedule, lr_multiplier
 from finetune.train.run import resolve
 

@@ -43,8 +43,9 @@ def test_flex_attention_on_cpu_is_refused_before_anything_loads(tmp_path):
 def test_compile_time_is_reported_apart_from_training_time(tmp_path):
     """The update that compiles (the first of a --compile run) reports its compile seconds, and its
     tokens/s counts only the rest of its time; later updates add no compile time."""
+    from finetune.config.run_folder import read_metrics
     from finetune.train.accelerator import build_accelerator
-    from finetune.train.metrics import MetricsRecorder, read_metrics
+    from finetune.train.metrics import MetricsRecorder
     from finetune.train.run import resolve
 
     run, _ = resolve(TrainConfig(output_dir=str(tmp_path)))

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from finetune.config.flags import parse_config
+from finetune.config.run_folder import read_metrics
 from finetune.data import Collator, prepare_data
 from finetune.train import loop
-from finetune.train.metrics import read_metrics
 
 SHORT_RUN = ["--max-steps", "6", "--micro-batch-size", "8", "--max-eval-examples", "32", "--warmup-steps", "2",
              "--log-every", "2", "--num-samples", "2"]
