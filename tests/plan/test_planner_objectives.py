@@ -43,7 +43,7 @@ def test_a_dpo_plan_holds_the_activations_of_both_sequences_of_its_pairs():
     assert dpo.speed.tokens_per_second < sft.speed.tokens_per_second  # the reference's forward, every micro-batch
     free_sft, free_dpo = planned(), planned("dpo")
     assert free_dpo.workload.recomputed_layers > free_sft.workload.recomputed_layers
-    assert free_dpo.memory.activations > 1.3 * free_sft.memory.activations
+    assert free_dpo.memory.activations >= 1.5 * free_sft.memory.activations  # the check
     assert "--objective dpo" in " ".join(train_flags(free_dpo.workload))
 
 
