@@ -35,8 +35,8 @@ from finetune.models import catalog
 from finetune.plan import gpus
 from finetune.plan.memory import GIB, estimate
 from finetune.plan.workload import from_run
-from finetune.train.loading import prepare_for_training
 from finetune.train.simulate import simulate
+from finetune.train.skeleton import prepare_for_training
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True)
 CHECKPOINTED = (0, 8, 15, 23, 30)

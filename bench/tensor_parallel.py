@@ -53,7 +53,7 @@ def layouts_table() -> str:
                              gradient_checkpointing=True, chunked_loss=chunked)
         run = resolve_run(config, Launch(world_size=4, fsdp=True), h100)
         planned, simulated = backward_activations(from_run(run, gpus.get("H100"))), simulate(run).activations
-        rows.append(f"{run.parallelism.label:<16} {run.switches().loss:<18} {planned / GIB:>8.2f} {simulated / GIB:>9.2f} "
+        rows.append(f"{run.parallelism.label:<16} {run.switches.loss:<18} {planned / GIB:>8.2f} {simulated / GIB:>9.2f} "
                     f"{planned / simulated:>17.3f}")
     return "\n".join(rows)
 

@@ -38,6 +38,17 @@ def tiny_model(name: str = "tiny", seed: int = 0, vocab_size: int = 64, layers: 
                                             attn_implementation=attention_implementation(config["model_type"]))
 
 
+def speed_up(model, config, cuda: bool = False, say=print, fp8_device: bool = False):
+    """`train.speedups.apply_speedups` on `model` as a run of `config` would apply them: the run resolved
+    on this CPU, or as on a bf16 GPU with `cuda` (nothing runs there: the switches only resolve as on
+    one; `fp8_device`: one with float8 matmuls), then told what the built model is (`with_model`)."""
+    from finetune.config.resolve import Device, Launch, resolve_run
+    from finetune.train.speedups import apply_speedups, with_model
+
+    run = resolve_run(config, Launch(), Device(cuda=cuda, bf16=cuda, fp8=fp8_device))
+    return apply_speedups(model, with_model(run, model), say)
+
+
 def shrunk_config_dir(directory: Path, name: str, layers: int) -> str:
     """A folder holding the catalog shape `name` cut to `layers` decoder layers as a config.json (at full
     width, which `--model` accepts): planner and fake-tensor checks of real shapes in seconds."""

@@ -57,7 +57,7 @@ LIGER_DISCOVERY = ("import importlib.util\n"
 LORA_BUILD = ("from helpers import tiny_model\n"
               "from peft import get_peft_model\n"
               "from finetune.config.options import TrainConfig\n"
-              "from finetune.train.loading import lora_config\n"
+              "from finetune.train.skeleton import lora_config\n"
               "base = tiny_model()\n"
               "get_peft_model(base, lora_config(base, TrainConfig(method='lora')))\n")
 

@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from finetune.data.formats import encode  # noqa: E402
-from finetune.train.loading import load_tokenizer, nf4_config  # noqa: E402
+from finetune.train.loading import load_tokenizer  # noqa: E402
+from finetune.train.skeleton import nf4_config  # noqa: E402
 
 LEARNING_RATE = 2e-4  # finetune's LoRA default; the rate changes the losses, not the speed
 MAX_GRAD_NORM = 1.0  # finetune's and Trainer's default clipping: its norm is part of every update

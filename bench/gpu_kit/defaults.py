@@ -64,7 +64,7 @@ from finetune.train import loading  # noqa: E402
 from finetune.train.dry_run import device_of  # noqa: E402
 from finetune.train.optim import build_optimizer  # noqa: E402
 from finetune.train.run import this_device  # noqa: E402
-from finetune.train.speedups import apply_speedups  # noqa: E402
+from finetune.train.speedups import apply_speedups, with_model  # noqa: E402
 
 SHAPES = ("mistral-7b", "llama-3.1-8b")
 LAYERS = 2
@@ -140,7 +140,7 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
     device = this_device()
     run = resolve_run(case.config(model_dir(case.shape, args, weights=True), args), Launch(), device)
     result = planned(case, run, gpu)
-    switches = run.switches()
+    switches = run.switches
     if case.method != "full" and switches.loss != case.variant:  # e.g. Liger without CUDA or liger-kernel
         return result | {"status": "skipped: " + "; ".join(switches.notes)}
     target = torch.device("cuda", 0) if device.cuda else torch.device("cpu")
@@ -149,7 +149,7 @@ def run_case(case: Case, args: argparse.Namespace, gpu, own: dict) -> dict:
     torch.manual_seed(0)
     model = loading.load_model(run, target)
     said = []
-    apply_speedups(model, run.config, device.cuda, said.append, run.strategy)
+    apply_speedups(model, with_model(run, model), said.append)
     seed_adapters(model)
     fused = case.variant == "fused" if case.method == "full" else switches.fused_adamw
     optimizer = build_optimizer(run.config, model, run.peak_lr, fused=fused)

@@ -171,7 +171,9 @@ class ResolvedRun:
 
     config: TrainConfig  # as given, with what a DeepSpeed JSON's optimizer/scheduler decided (see resolve_run)
     model: ModelSource  # what --model is, decided once: where its weights load from (`model.weights`), what writes them
-    spec: ModelSpec | None  # the architecture, when the planner can read it without downloading
+    # the model's architecture, the run's one: the catalog entry's, else read from the model's config.json, its
+    # GGUF metadata or the Hugging Face cache (models.source.architecture_of); None when that needs a download
+    spec: ModelSpec | None
     batch: BatchShape
     peak_lr: float
     precision: Precision
@@ -179,6 +181,9 @@ class ResolvedRun:
     offload: str  # none | optimizer | params
     launch: Launch
     deepspeed: DeepSpeedSetup | None
+    # Liger, the chunked loss, fused AdamW and the attention kernel as this run turns them on (config.switches),
+    # resolved once by resolve_run; `with_loaded_model` adds what only the loaded model tells
+    switches: Switches
     parallelism: Parallelism = Parallelism()  # data-parallel × tp × cp = the launch's processes
     max_steps: int | None = None  # known once the data is prepared (see `with_max_steps`)
     given: frozenset[str] = EVERY_OPTION  # the options the user set (flags, YAML); the rest are defaults
@@ -188,14 +193,14 @@ class ResolvedRun:
     def world_size(self) -> int:
         return self.batch.world_size
 
-    def switches(self, head_problem: str | None = None) -> Switches:
-        """Liger, the chunked loss, fused AdamW and the attention kernel as this run turns them on (config.switches);
-        `head_problem`: what the loaded LM head rules out, once there is one."""
-        config = self.config
-        return resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
-                                method=config.method, lora_targets=config.lora_targets, cuda=self.cuda,
-                                strategy=self.strategy, model_type=self.spec.model_type if self.spec is not None else None,
-                                head_problem=head_problem, tp=config.tp, cp=config.cp, attention=config.attention)
+    def with_loaded_model(self, model_type: str, head_problem: str | None) -> ResolvedRun:
+        """The run once its model is built: the switches resolved again only where the model tells what
+        resolving could not know, an LM head no loss may read (`head_problem`,
+        train.chunked_loss.head_problem) or an architecture read only from the weights (`model_type`)."""
+        known = self.spec.model_type if self.spec is not None else None
+        if head_problem is None and model_type == known:
+            return self
+        return replace(self, switches=run_switches(self.config, self.strategy, self.cuda, model_type, head_problem))
 
     def with_max_steps(self, max_steps: int) -> ResolvedRun:
         return replace(self, max_steps=max_steps)
@@ -216,7 +221,7 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
     adopted = {} if written is None else deepspeed_json.adopt(written.config, config, given)
     config = with_adopted(config, adopted, written)
     model = model_source.model_source(config.model, config.output_dir)
-    spec = model.spec
+    spec = model_source.architecture_of(config.model)
     flags = Asked(tp=config.tp if config.tp > 1 else None, cp=config.cp if config.cp > 1 else None)
     parallelism = resolve_parallelism(flags, launch.parallelism, launch.world_size)
     config = replace(config, tp=parallelism.tp, cp=parallelism.cp)  # as laid out, whichever way it was asked
@@ -249,7 +254,6 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
         strategy, offload = STRATEGIES["ddp" if launch.world_size > 1 else "single"], "none"
     check_precision(precision, config.method, strategy, offload)
     check_speed_switches(config, precision, strategy, device, parallelism.tp)
-    spec = spec or model_source.architecture_of(config.model)
     check_seq_len(config.max_seq_len, spec)
     check_checkpointed_layers(config.gradient_checkpointing_layers, spec)
     problems = parallelism_problems(parallelism, spec=spec, method=config.method, lora_targets=config.lora_target_modules,
@@ -258,9 +262,20 @@ def resolve_run(config: TrainConfig, launch: Launch, device: Device, given: froz
                                     attention=config.attention) + layout_problems(config.objective, parallelism.model_parallel)
     if problems:
         raise ConfigError("This run cannot be laid out as asked:\n  - " + "\n  - ".join(problems))
+    switches = run_switches(config, strategy, device.cuda, spec.model_type if spec is not None else None)
     return ResolvedRun(config=config, model=model, spec=spec, batch=batch, peak_lr=peak_lr, precision=precision,
-                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, parallelism=parallelism,
-                       given=given, cuda=device.cuda)
+                       strategy=strategy, offload=offload, launch=launch, deepspeed=deepspeed, switches=switches,
+                       parallelism=parallelism, given=given, cuda=device.cuda)
+
+
+def run_switches(config: TrainConfig, strategy: Strategy, cuda: bool, model_type: str | None,
+                 head_problem: str | None = None) -> Switches:
+    """The speed switches of a run of `config` (config.switches.resolve_switches): the one place a
+    run's flags are handed to it. `head_problem`: what the built model's LM head rules out, once known."""
+    return resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
+                            method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
+                            model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp,
+                            attention=config.attention)
 
 
 def check_speed_switches(config: TrainConfig, precision: Precision, strategy: Strategy, device: Device, tp: int) -> None:

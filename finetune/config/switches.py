@@ -2,9 +2,10 @@
 the attention kernel.
 
 `resolve_switches` decides them from the flags and the facts of the run (device, strategy, model
-type, method, LoRA targets and, once the model is loaded, its LM head). `finetune plan`, `--dry-run`,
-the fit check and the run itself call it alike, so a plan counts what the run turns on (the dense
-mask of packed rows under SDPA included: plan.workload.from_run).
+type, method, LoRA targets and, once the model is loaded, its LM head). `finetune plan` calls it for
+each plan; a run resolves them once (config/resolve.py: `ResolvedRun.switches`), which `--dry-run`, the
+fit check and training read, so a plan counts what the run turns on (the dense mask of packed rows
+under SDPA included: plan.workload.from_run).
 
 Liger's fused linear cross-entropy and finetune's chunked loss both read the LM head's weight
 outside the head's own forward, so one gate (`head_read_blocked`) keeps both out of the runs where

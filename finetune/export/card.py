@@ -12,6 +12,7 @@ from pathlib import Path
 import finetune
 from finetune.config.run_folder import MANIFEST, MODEL_CARD, ResolvedRecord, RunFolder
 from finetune.errors import FinetuneError
+from finetune.models import catalog
 from finetune.models.catalog import looks_like_path
 from finetune.models.gguf_import import file_type as gguf_file_type
 from finetune.models.source import ModelSource, model_source
@@ -133,7 +134,7 @@ def _dataset_name(dataset: str | None) -> tuple[str, str | None]:
 
 def _model_name(model: str, source: ModelSource | None) -> str:
     """--model as the card shows it: a catalog name or Hub id as given, a local folder or file by its name only."""
-    if source is not None and source.kind in ("local", "gguf") and source.spec is None:
+    if source is not None and source.kind in ("local", "gguf") and catalog.lookup(model) is None:
         return Path(model).name
     return model
 

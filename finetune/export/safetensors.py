@@ -183,7 +183,7 @@ def _merge(trained: Trained, adapter_dir: Path, out: Path, dtype: str, max_shard
 
     base_source = trained.base_model
     if trained.method == "qlora":
-        from finetune.train.loading import nf4_config  # the exact quantization training used
+        from finetune.train.skeleton import nf4_config  # the exact quantization training used
 
         compute = getattr(torch, PRECISIONS[trained.precision].compute)
         base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32, quantization_config=nf4_config(compute))

@@ -55,11 +55,11 @@ def shrunk_model_config(config: TrainConfig):
     from transformers import AutoConfig, AutoTokenizer
 
     from finetune.data import BUILTIN_DIR
-    from finetune.models import gguf_import
+    from finetune.models import catalog, gguf_import
     from finetune.models import source as model_source
 
     model = model_source.model_source(config.model, config.output_dir)
-    source, spec = model.weights, model.spec
+    source, spec = model.weights, catalog.lookup(config.model)
     if spec is None and model.kind == "gguf":  # a .gguf path: its config is the converted folder's, written once
         gguf_import.convert(model.gguf, Path(source))
     try:

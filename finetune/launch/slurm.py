@@ -3,7 +3,7 @@
 Slurm starts one task per node; each runs `accelerate launch`, which starts one process per GPU.
 The rendezvous is taken from Slurm's variables: the first host of the allocation hosts the c10d
 store, every node passes its own `$SLURM_NODEID` as --machine_rank. The preflight in
-`build_accelerator` then checks the job before weights load.
+`startup.start_accelerator` then checks the job before weights load.
 """
 
 from __future__ import annotations

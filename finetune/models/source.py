@@ -26,15 +26,16 @@ SourceKind = Literal["catalog", "random-init", "gguf", "local", "hub"]
 
 @dataclass(frozen=True)
 class ModelSource:
-    """What `--model` names, decided once: every place that loads, plans, rehearses or describes the
-    model (the model card included) reads this instead of guessing from the string again."""
+    """What `--model` names and where its weights come from, decided once: every place that loads,
+    rehearses or describes the model (the model card included) reads this instead of guessing from the
+    string again. Its architecture is `architecture_of`'s answer, which a resolved run carries as its
+    one `spec` (config/resolve.py)."""
 
     name: str  # --model as given
     kind: SourceKind  # catalog: published weights on the Hub; random-init: a shape finetune seeds itself;
     # gguf: a .gguf file or a catalog entry shipping one; local: a model directory (or another path);
     # hub: a Hugging Face id (org/name)
     weights: str  # where the weights load from: a local directory or a Hub id
-    spec: ModelSpec | None  # the catalog entry, if --model names one
     gguf: Path | None = None  # the GGUF file the weights are dequantised from
 
     @property
@@ -47,8 +48,9 @@ class ModelSource:
     def hub_id(self) -> str | None:
         """The Hub repo the weights come from (a GGUF entry: the repo its file was converted from), or
         None for local files: the model card's base_model."""
-        if self.spec is not None:
-            return self.spec.hf_id or self.spec.converted_from
+        entry = catalog.lookup(self.name)
+        if entry is not None:
+            return entry.hf_id or entry.converted_from
         return self.name if self.kind == "hub" else None
 
 
@@ -58,17 +60,17 @@ def model_source(model: str, output_dir: str | Path = ".") -> ModelSource:
     written by `loading.materialize`. `model_problem` has already refused names that are none of
     these; a GGUF file that is missing or is not one raises FinetuneError."""
     if Path(model).is_dir():
-        return ModelSource(model, "local", model, None)
+        return ModelSource(model, "local", model)
     spec = catalog.lookup(model)
     gguf = _gguf_file(model, spec)
     if gguf is not None:
-        return ModelSource(model, "gguf", str(gguf_import.cache_entry(gguf)), spec, gguf)
+        return ModelSource(model, "gguf", str(gguf_import.cache_entry(gguf)), gguf)
     if spec is not None and spec.random_init:
-        return ModelSource(model, "random-init", str((Path(output_dir) / "base_model").resolve()), spec)
+        return ModelSource(model, "random-init", str((Path(output_dir) / "base_model").resolve()))
     if spec is not None:
-        return ModelSource(model, "catalog", spec.hf_id, spec)
+        return ModelSource(model, "catalog", spec.hf_id)
     hub = model.count("/") == 1 and not catalog.looks_like_path(model) and not Path(model).exists()
-    return ModelSource(model, "hub" if hub else "local", model, None)
+    return ModelSource(model, "hub" if hub else "local", model)
 
 
 def _gguf_file(model: str, spec: ModelSpec | None) -> Path | None:

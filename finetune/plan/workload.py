@@ -165,7 +165,7 @@ def from_run(run: ResolvedRun, gpu: GPUSpec) -> Workload:
 
     Raises FinetuneError when the planner cannot read the model's architecture without a download.
     """
-    config, switches = run.config, run.switches()
+    config, switches = run.config, run.switches
     if run.spec is None:
         raise FinetuneError(
             f"Cannot plan --model {config.model}: its architecture is not in the catalog and no config.json is "

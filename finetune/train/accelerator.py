@@ -4,8 +4,9 @@ The strategy arrives as data: the accelerate config the user launched with (`acc
 --config_file accelerate_configs/X.yaml`, which Accelerate hands to each process as environment
 variables) and, for DeepSpeed, an optional JSON file (`--deepspeed ds.json` or the YAML's
 `deepspeed_config_file`). `resolve.resolve_run` reads that data; this module turns the resolved
-run into an `Accelerator` and prints what it built; the training loop never asks which strategy
-it runs under.
+run into an `Accelerator`; the training loop never asks which strategy it runs under. What a run
+sees of the start (the watchdog, the preflight checks, the JSON written, the printout) is
+startup.py's: building stays free of output, so the strategy's construction reads on one screen.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -27,12 +27,10 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from finetune.config import deepspeed_json
 from finetune.config.names import trains_pure_bf16
 from finetune.config.resolve import LAUNCH_DEEPSPEED, DeepSpeedSetup, ResolvedRun
-from finetune.config.run_folder import DEEPSPEED_CONFIG, RunFolder
 from finetune.errors import ConfigError
-from finetune.train import parallel, preflight
+from finetune.train import parallel
 
 
 def launched() -> bool:
@@ -41,21 +39,21 @@ def launched() -> bool:
 
 
 def build_accelerator(run: ResolvedRun) -> Accelerator:
-    """Create the run's Accelerator and print the effective distributed setup on the main process.
+    """The run's Accelerator: its plugins (gradient accumulation, data loading, FSDP2 or DeepSpeed),
+    mixed precision and process-group kwargs, the FSDP-on-CPU switch, and the TP/CP layout handed over.
 
     Works without a launcher (one process, CPU or CUDA) and under `accelerate launch` / torchrun with
     DDP, FSDP2 or DeepSpeed. Launched on CPU, the process group uses gloo: without it Accelerate
-    sees world size 1 under DeepSpeed. Joining the process group and the preflight checks run under
-    a watchdog (--preflight-timeout). Raises ConfigError when Accelerate would run another strategy
-    or world size than the launch announced, PreflightError when the job cannot train as launched.
+    sees world size 1 under DeepSpeed. Builds only: a run starts it through startup.start_accelerator,
+    which watches the rendezvous, checks the job, writes and prints what was built. Raises
+    ConfigError when Accelerate would run another strategy or world size than the launch announced.
     """
     config, deepspeed = run.config, run.deepspeed
     cuda = torch.cuda.is_available()
     if deepspeed is not None and not launched():
         become_single_process_launch()
     fsdp_plugin = fsdp_plugin_from_launch(run) if run.strategy.fsdp else None
-    with preflight.watchdog(config.preflight_timeout) as dog, parallel.launch_parallelism_withheld():
-        dog.stage("rendezvous", preflight.rendezvous_advice())
+    with parallel.launch_parallelism_withheld():
         accelerator = Accelerator(
             # the loop collects each accumulation window before its first forward, so Accelerate must
             # not also sync at the end of the dataloader: that would step on every micro-batch of an
@@ -78,18 +76,13 @@ def build_accelerator(run: ResolvedRun) -> Accelerator:
         if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
             enable_fsdp_on_cpu(accelerator, fsdp_plugin)
         parallel.hand_over(accelerator, run.parallelism)
-        if accelerator.num_processes != run.world_size or (
-            run.world_size > 1 and accelerator.distributed_type == DistributedType.NO
-        ):
-            raise ConfigError(
-                f"The launcher announced WORLD_SIZE={run.world_size} but Accelerate runs {accelerator.num_processes} "
-                f"process(es) as {accelerator.distributed_type.value}; launch with `accelerate launch` or torchrun."
-            )
-        checked = preflight.run_checks(accelerator, config.output_dir, dog)
-    if deepspeed is not None and accelerator.is_main_process:
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        deepspeed_json.write(deepspeed.config, RunFolder(config.output_dir).deepspeed_config)
-    accelerator.print(describe_setup(accelerator, run) + "\n" + checked)
+    if accelerator.num_processes != run.world_size or (
+        run.world_size > 1 and accelerator.distributed_type == DistributedType.NO
+    ):
+        raise ConfigError(
+            f"The launcher announced WORLD_SIZE={run.world_size} but Accelerate runs {accelerator.num_processes} "
+            f"process(es) as {accelerator.distributed_type.value}; launch with `accelerate launch` or torchrun."
+        )
     return accelerator
 
 
@@ -157,47 +150,3 @@ def _deepspeed_plugin(deepspeed: DeepSpeedSetup | None) -> DeepSpeedPlugin | Non
         plugin.deepspeed_config.update(deepspeed.config)
         return plugin
     return DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(deepspeed.config)))
-
-
-# ---------------------------------------------------------------- the setup printout
-
-
-def describe_setup(accelerator: Accelerator, run: ResolvedRun) -> str:
-    """The effective distributed setup, one fact per line, so a stale default accelerate config can
-    never change a run silently."""
-    batch, deepspeed, precision = run.batch, run.deepspeed, run.precision
-    lines = [
-        f"strategy: {run.strategy.label} on {accelerator.device.type}"
-        + (" (gloo)" if launched() and accelerator.device.type == "cpu" else ""),
-        f"world size: {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''}"
-        + (f" on {run.launch.num_machines} machines" if run.launch.num_machines > 1 else ""),
-        f"precision: {precision.name} (weights {precision.weights}, compute {precision.compute})",
-    ]
-    if run.parallelism.model_parallel > 1:
-        lines.append(f"layout: {run.parallelism.label} (tp {run.parallelism.tp}, cp {run.parallelism.cp}, "
-                     f"dp_shard {run.parallelism.dp_shard}); "
-                     + ("transformers' TP plan, sequence-parallel, then FSDP2" if run.parallelism.tp > 1
-                        else "ring attention, FSDP2 over dp × cp"))
-    if accelerator.distributed_type == DistributedType.FSDP:
-        plugin = accelerator.state.fsdp_plugin
-        wrap = getattr(plugin.auto_wrap_policy, "__name__", str(plugin.auto_wrap_policy))
-        wrap = ("by transformers (its FSDP plan)" if run.parallelism.tp > 1
-                else f"{wrap} (block class from the model's _no_split_modules)")
-        lines += [
-            f"sharding: reshard after forward {plugin.reshard_after_forward}, wrap {wrap}",
-            f"state dict: {plugin.state_dict_type.name}, cpu offload {isinstance(plugin.cpu_offload, CPUOffloadPolicy)}, "
-            f"cpu-RAM-efficient loading {plugin.cpu_ram_efficient_loading}",
-        ]
-    if deepspeed is not None:
-        offload = deepspeed_json.offload_devices(deepspeed.config)
-        lines += [
-            f"ZeRO stage {deepspeed_json.zero_stage(deepspeed.config)}, offload "
-            + (", ".join(f"{name} → {device}" for name, device in offload.items()) or "none"),
-            f"DeepSpeed config: {deepspeed.source}, resolved into {DEEPSPEED_CONFIG}",
-            *deepspeed.notes,
-        ]
-    lines.append(
-        f"batch: micro {batch.micro_batch_size} × accumulation {batch.gradient_accumulation_steps} × {batch.ranks_text} "
-        f"= global {batch.global_batch_size}"
-    )
-    return "distributed setup:\n  " + "\n  ".join(lines)

@@ -4,7 +4,7 @@ run makes at launch.
 
 `plan.workload.from_run` is the one translation of a run into the planner's `Workload`, so a
 plan's launch command, `--dry-run` of that command and `plan --simulate` describe the same run.
-`built_states` builds the model and optimizer exactly as training does (loading.build_skeleton:
+`built_states` builds the model and optimizer exactly as training does (skeleton.build_skeleton:
 same dtype, quantization, PEFT wrapping; optim.build_optimizer stepped once) on fake tensors at full
 size and measures them, so every model-state term the planner promises is checked against the
 trainer's construction rather than against a second model of it.
@@ -99,19 +99,19 @@ class Built:
 
 
 def build(run: ResolvedRun) -> Built:
-    """Build the model and optimizer exactly as training does (loading.build_skeleton,
+    """Build the model and optimizer exactly as training does (skeleton.build_skeleton,
     optim.build_optimizer) on fake tensors, step the optimizer once, and measure them."""
     import torch
 
-    from finetune.train import inventory, loading
+    from finetune.train import inventory, skeleton
     from finetune.train.optim import build_optimizer
 
-    model, fake_mode = loading.build_skeleton(run)
+    model, fake_mode = skeleton.build_skeleton(run)
     kinds = inventory.by_kind(model, (model.get_base_model() if hasattr(model, "get_base_model") else model).config.model_type)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     # bitsandbytes builds real code tables here
-    optimizer = build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw)
+    optimizer = build_optimizer(run.config, model, run.peak_lr, fused=run.switches.fused_adamw)
     with fake_mode:
         for param in trainable:
             param.grad = torch.zeros_like(param)

@@ -127,8 +127,8 @@ def dequantize_once_per_forward(module: torch.nn.Module) -> None:
 
 
 def mark_for_skeleton(model: torch.nn.Module, config: BitsAndBytesConfig) -> None:
-    """`--dry-run`'s skeleton (loading.build_skeleton): make each meta expert parameter a bitsandbytes
-    Params4bit of the run's settings, which loading.give_fake_storage then gives the packed storage
+    """`--dry-run`'s skeleton (skeleton.build_skeleton): make each meta expert parameter a bitsandbytes
+    Params4bit of the run's settings, which skeleton.give_fake_storage then gives the packed storage
     and quantization state this module's packing allocates."""
     from bitsandbytes.nn import Params4bit
 

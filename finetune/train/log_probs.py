@@ -32,7 +32,6 @@ from finetune.config.names import IGNORE_INDEX
 from finetune.config.objectives import log_prob_form
 from finetune.config.resolve import ResolvedRun
 from finetune.config.switches import chunk_tokens
-from finetune.train.chunked_loss import head_problem
 
 
 @dataclass
@@ -41,9 +40,10 @@ class SequenceLogProbs(ModelOutput):
     tokens: torch.Tensor | None = None  # [rows]: answer tokens (labels not -100, shifted by one)
 
 
-def form_of(run: ResolvedRun, model: torch.nn.Module) -> str:
-    """The form `run` computes log-probabilities in with the loaded `model` (a transformers CausalLM)."""
-    return log_prob_form(run.switches(head_problem(model)).loss)
+def form_of(run: ResolvedRun) -> str:
+    """The form `run` computes log-probabilities in: its loss's (`run` as train.speedups.with_model
+    returns it once the model is built)."""
+    return log_prob_form(run.switches.loss)
 
 
 def install(model: torch.nn.Module, form: str) -> None:

@@ -2,7 +2,7 @@
 loop sums its token counts and losses.
 
 Who does what (verified 2026-11-28 on CPU with accelerate 1.15, transformers 5.23, torch 2.13):
-- TP: transformers lays the model out when it loads (train/loading.py: its TP plan with this module's
+- TP: transformers lays the model out when it loads (train/skeleton.py: its TP plan with this module's
   sequence-parallel rules, `sequence_parallel_plan`, then FSDP2 over the data-parallel ranks).
   Accelerate gets the device mesh, so its data loaders hand the ranks of a TP group the same rows,
   but not the ParallelismConfig: under FSDP2 its TP preparation imports `ReplicateParallel`, which

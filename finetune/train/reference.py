@@ -88,7 +88,7 @@ def frozen_copy(run: ResolvedRun, accelerator: Accelerator, policy: torch.nn.Mod
 
     dtype = getattr(torch, run.precision.compute)
     model = loading.load_frozen(run, dtype)
-    log_probs.install(model, log_probs.form_of(run, model))
+    log_probs.install(model, log_probs.form_of(run))
     if run.strategy.fsdp:
         return shard_like(model, policy, accelerator.device)
     if run.strategy.zero_stage == 3:

@@ -29,29 +29,37 @@ from finetune.config.run_folder import ResolvedRecord, RunFolder
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.collate import PreferenceCollator
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.plan import gpus
-from finetune.train import dry_run, fit_check, inventory, loading, log_probs, loop, ranks
-from finetune.train.accelerator import build_accelerator
+from finetune.train import fit_check, inventory, loading, log_probs, loop, ranks, skeleton
 from finetune.train.metrics import plot_loss_curve
 from finetune.train.objectives import build_objective
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
 from finetune.train.reference import build_reference
 from finetune.train.session import Opened, Session
-from finetune.train.speedups import apply_speedups, flattens_packed_rows
+from finetune.train.speedups import apply_speedups, flattens_packed_rows, with_model
+from finetune.train.startup import start_accelerator
 
 
 def main(command: Command) -> int:
     """Plan (--dry-run) or train the run `command` describes; cli.train has parsed it."""
-    if command.dry_run and command.config.gpu:  # plan for the named GPU, not this machine
+    if command.dry_run:
+        return print_dry_run(command)
+    train(*resolve(command.config, command.given))
+    return 0
+
+
+def print_dry_run(command: Command) -> int:
+    """`--dry-run`: the plan of the run `command` describes, printed on rank 0. Its modules (the
+    planner's report, files and search) are imported here, since a run that trains never uses them."""
+    from finetune.plan import gpus
+    from finetune.train import dry_run
+
+    if command.config.gpu:  # plan for the named GPU, not this machine
         device = dry_run.device_of(gpus.get(command.config.gpu))
         run = resolve_run(command.config, Launch.from_environment(), device, command.given)
     else:
         run, device = resolve(command.config, command.given)
-    if command.dry_run:
-        if run.launch.rank == 0:
-            print(dry_run.dry_run_report(run, device, command.json, command.given))
-        return 0
-    train(run, device)
+    if run.launch.rank == 0:
+        print(dry_run.dry_run_report(run, device, command.json, command.given))
     return 0
 
 
@@ -94,7 +102,7 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     # same seeded weights and the first atomic rename wins; GGUF: the first rank converts, the
     # others wait on its file lock.
     loading.materialize(run.model, run.config.seed)
-    opened = Opened(build_accelerator(run))
+    opened = Opened(start_accelerator(run))
     try:
         return build(run, opened)
     except BaseException as error:
@@ -117,13 +125,14 @@ def build(run: ResolvedRun, opened: Opened) -> Session:
     with ranks.together(accelerator):
         model = loading.load_model(run, accelerator.device)
     if config.packing:
-        loading.check_packing_support(model)
-    model = apply_speedups(model, config, accelerator.device.type == "cuda", accelerator.print, run.strategy)
+        skeleton.check_packing_support(model)
+    run = with_model(run, model)
+    model = apply_speedups(model, run, accelerator.print)
     collators = build_collators(run, model, tokenizer)
 
     train_loader = train_dataloader(data.train, run.batch, config, collators[0])
     run = run.with_max_steps(max_steps_of(config, run.batch, len(data.train)))
-    optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches().fused_adamw)
+    optimizer = build_optimizer(config, model, run.peak_lr, fused=run.switches.fused_adamw)
     scheduler = build_scheduler(config, optimizer, run.max_steps)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     progress = Progress()
@@ -149,7 +158,7 @@ def build_collators(run: ResolvedRun, model: torch.nn.Module, tokenizer) -> tupl
         collator = Collator(tokenizer, context_parallel=run.parallelism.cp, flatten=flattens_packed_rows(model))
         return collator, collator
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    log_probs.install(base, log_probs.form_of(run, base))
+    log_probs.install(base, log_probs.form_of(run))
     return PreferenceCollator(tokenizer), PreferenceCollator(tokenizer)
 
 
@@ -256,7 +265,7 @@ def announce(run: ResolvedRun, accelerator: Accelerator, data: PreparedData, res
     for warning in inventory.lora_warnings(config, base.config.model_type):
         say(warning)
     say(f"data: {len(data.train):,} train / {len(data.eval):,} eval examples ({data.format}, {data.origin}); "
-        f"{run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")  # the batch shape: build_accelerator's printout
+        f"{run.max_steps} optimizer steps at peak lr {run.peak_lr:.2e}")  # the batch shape: start_accelerator's printout
     if config.report_to != "none":
         accelerator.init_trackers("finetune", config={k: v for k, v in config.to_dict().items() if v is not None})
 

@@ -1,7 +1,7 @@
 """`finetune plan --simulate`: run training steps of a plan's launch command on fake tensors and
 measure the per-GPU peak with PyTorch's MemTracker (FSDPMemTracker on a fake process group for FSDP2).
 
-The model and optimizer are the trainer's own construction (loading.build_skeleton,
+The model and optimizer are the trainer's own construction (skeleton.build_skeleton,
 optim.build_optimizer), not a copy: what is simulated is what `python -m finetune` with the same
 flags would build. Fake CPU tensors carry shapes and dtypes but no data, so a 7B step takes
 seconds-to-a-minute of CPU and almost no memory. The step mirrors the loop with gradient
@@ -82,13 +82,13 @@ def simulate(run: ResolvedRun) -> Simulation:
         return _simulate_fsdp(run, w.dense_mask)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from finetune.train import loading
+    from finetune.train import skeleton
     from finetune.train.optim import build_optimizer
 
-    model, fake_mode = loading.build_skeleton(run)
-    reference = loading.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
+    model, fake_mode = skeleton.build_skeleton(run)
+    reference = skeleton.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
     with fake_mode:
-        optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches().fused_adamw))
+        optimizer = _as_on_cuda(build_optimizer(run.config, model, run.peak_lr, fused=run.switches.fused_adamw))
         tracker = _frozen_aware(MemTracker)()
         tracker.track_external(model, optimizer, *([] if reference is None else [reference]))
         with tracker:
@@ -125,7 +125,7 @@ def one_rank(run: ResolvedRun) -> ResolvedRun:
     if p.model_parallel == 1:
         return run
     config = replace(run.config, max_seq_len=run.config.max_seq_len // p.cp, tp=1, cp=1,
-                     chunked_loss=run.switches().chunked_loss)
+                     chunked_loss=run.switches.chunked_loss)
     batch = replace(run.batch, world_size=run.world_size // p.tp, model_parallel=1)
     spec = replace(rank_spec(run.spec, p.tp), vocab_size=-(-run.spec.vocab_size // p.tp))
     return replace(run, spec=spec, config=config, batch=batch, parallelism=Parallelism())
@@ -266,12 +266,12 @@ def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from finetune.train import loading
+    from finetune.train import skeleton
 
     with _fake_process_group(run.world_size):
         mesh = init_device_mesh("cpu", (run.world_size,))  # outside fake mode: the mesh needs real ranks
-        model, fake_mode = loading.build_skeleton(run)
-        reference = loading.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
+        model, fake_mode = skeleton.build_skeleton(run)
+        reference = skeleton.build_frozen_skeleton(run, fake_mode) if _holds_copy(run) else None
         with fake_mode:
             compute = getattr(torch, run.precision.compute)
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if run.precision.autocast else MixedPrecisionPolicy()
@@ -287,7 +287,7 @@ def _simulate_fsdp(run: ResolvedRun, dense_mask: bool) -> Simulation:
 
 
 def _simulate_tensor_parallel(run: ResolvedRun, dense_mask: bool) -> Simulation:
-    """TP as load_model lays it out (train/loading.py: transformers' plan with the sequence-parallel
+    """TP as loading.load_model lays it out (train/skeleton.py: transformers' plan with the sequence-parallel
     rules, its FSDP2 over the data-parallel ranks, LoRA, FSDP2 around what it left), on fake tensors
     and a fake process group of the run's world size: rank 0's view, collectives included."""
     with _fake_process_group(run.world_size):
@@ -334,24 +334,24 @@ def _tensor_parallel_skeleton(run: ResolvedRun):
     Returns (model, fake_mode)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from finetune.models import families
-    from finetune.train import chunked_loss, loading
+    from finetune.train import chunked_loss, skeleton
+    from finetune.train.speedups import with_model
 
-    hf_config = AutoConfig.for_model(**run.spec.to_hf_config_dict()) if run.spec is not None else \
-        AutoConfig.from_pretrained(run.model.weights, trust_remote_code=run.config.trust_remote_code)
-    layout = loading.tensor_parallel_layout(run, hf_config)
+    hf_config = skeleton.skeleton_config(run)
+    layout = skeleton.tensor_parallel_layout(run, hf_config)
     meshes = _cpu_meshes(layout)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, _meshes_made_outside():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, run.precision.weights),
                                                  attn_implementation=families.attention_implementation(hf_config.model_type))
         model = type(model).maybe_distribute_model(model, layout, meshes)
-        model = loading.prepare_for_training(model, run.config)
-        loading.finish_tensor_parallel(model, run)
+        model = skeleton.prepare_for_training(model, run.config)
+        skeleton.finish_tensor_parallel(model, run)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if run.switches(chunked_loss.head_problem(base)).chunked_loss:
+        if with_model(run, base).switches.chunked_loss:
             chunked_loss.install(base)
     return model, fake_mode
 

@@ -4,8 +4,9 @@ loss, float8 matmuls for LoRA's frozen base (train/fp8.py), regional compilation
 switched off (train/sliding_window.py). Each one that cannot apply (CPU, an architecture Liger does not
 cover, a package not installed or not importing) says so in one line and the run goes on without it;
 numerically each is the plain path (tests/train/test_speedups.py, tests/train/test_chunked_loss.py,
-tests/train/test_sliding_window.py on CPU). Liger, the chunked loss and fused AdamW resolve in
-config/switches.py, which `finetune plan`, `--dry-run` and the fit check call too.
+tests/train/test_sliding_window.py on CPU). Liger, the chunked loss, fused AdamW and the attention
+kernel resolve once, with the run (config/resolve.py: `ResolvedRun.switches`), and again only where the
+built model tells more (`with_model`); `--dry-run` and the fit check read the same field.
 
 Defaults (bench/RESULTS.md has what each rests on, and which have run on a GPU): Liger where it can
 run (it made TRL SFTTrainer faster on an H100); the chunked loss for LoRA and QLoRA, for the logits
@@ -24,38 +25,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from finetune.config.names import STRATEGIES, Strategy
-from finetune.config.options import TrainConfig
-from finetune.config.switches import FLATTENING_ATTENTIONS, Switches, liger_function, resolve_switches
+from finetune.config.resolve import ResolvedRun
+from finetune.config.switches import FLATTENING_ATTENTIONS, liger_function
 from finetune.errors import ConfigError
 from finetune.train import chunked_loss, fp8, packed_attention, sliding_window
 
 
-@dataclass(frozen=True)
-class Speedups(Switches):
-    """What a run turns on: config.switches' loss, AdamW and attention kernel, and compilation;
-    `notes` says why a switch asked for is off."""
-
-    compile: bool = False
-    fp8: bool = False  # LoRA's frozen base in float8 matmuls (resolve_run refused it where it cannot run)
-
-
-def choose_speedups(config: TrainConfig, cuda: bool, model_type: str, strategy: Strategy = STRATEGIES["single"],
-                    head_problem: str | None = None) -> Speedups:
-    """Resolve unset/auto switches for this device, model and strategy, and drop the ones that cannot
-    apply (`head_problem`: what the loaded LM head rules out, train.chunked_loss.head_problem)."""
-    switches = resolve_switches(liger=config.liger, chunked_loss=config.chunked_loss, optimizer=config.optimizer,
-                                method=config.method, lora_targets=config.lora_targets, cuda=cuda, strategy=strategy,
-                                model_type=model_type, head_problem=head_problem, tp=config.tp, cp=config.cp,
-                                attention=config.attention)
-    compile_ = bool(config.compile)  # unmeasured on a GPU: off unless asked for
-    return Speedups(loss=switches.loss, fused_adamw=switches.fused_adamw, notes=switches.notes, compile=compile_,
-                    attention=switches.attention, fp8=config.fp8)
+def with_model(run: ResolvedRun, model: torch.nn.Module) -> ResolvedRun:
+    """`run` once `model` (a transformers model, PEFT-wrapped or not) is built: its switches as this
+    model's architecture and LM head decide them (ResolvedRun.with_loaded_model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return run.with_loaded_model(base.config.model_type, chunked_loss.head_problem(base))
 
 
 # transformers' names of the attention kernels
@@ -69,11 +53,12 @@ def flattens_packed_rows(model: torch.nn.Module) -> bool:
     return base.config._attn_implementation in [ATTENTION_IMPLEMENTATIONS[name] for name in FLATTENING_ATTENTIONS]
 
 
-def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say: Callable[[str], None],
-                   strategy: Strategy = STRATEGIES["single"]) -> torch.nn.Module:
-    """Turn on what `choose_speedups` chose for `model` (a transformers model, PEFT-wrapped or not), in place."""
+def apply_speedups(model: torch.nn.Module, run: ResolvedRun, say: Callable[[str], None]) -> torch.nn.Module:
+    """Turn on `run`'s switches for `model` (a transformers model, PEFT-wrapped or not), in place: the
+    loss and attention kernel `run.switches` resolved (`run` as `with_model` returns it for this model),
+    --fp8 and --compile as asked."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    chosen = choose_speedups(config, cuda, base.config.model_type, strategy, chunked_loss.head_problem(base))
+    config, chosen = run.config, run.switches
     for note in chosen.notes:
         say(note)
     if chosen.liger:  # RMSNorm, RoPE, SwiGLU modules of this instance; the CausalLM forward's fused loss
@@ -90,14 +75,14 @@ def apply_speedups(model: torch.nn.Module, config: TrainConfig, cuda: bool, say:
     if window:
         say(window)
     fp8_text = ""
-    if chosen.fp8:  # before compiling, so the compiled blocks hold the float8 matmuls
+    if config.fp8:  # before compiling, so the compiled blocks hold the float8 matmuls
         replaced, kept = fp8.install(model)
         fp8_text = f", fp8 on ({replaced} base linears" + (f"; {kept} kept bf16, sizes not multiples of 16)" if kept else ")")
-    if chosen.compile:
+    if config.compile:
         os.environ.setdefault(INDUCTOR_CACHE_VARIABLE, str(inductor_cache()))
         compile_blocks(model)
     say(f"speed switches: liger {'on' if chosen.liger else 'off'}, chunked loss {'on' if chosen.chunked_loss else 'off'}, "
-        f"compile {'on' if chosen.compile else 'off'}, attention {chosen.attention}{fp8_text}")
+        f"compile {'on' if config.compile else 'off'}, attention {chosen.attention}{fp8_text}")
     return model
 
 

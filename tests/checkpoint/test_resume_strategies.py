@@ -174,7 +174,7 @@ def logits_of(folder: Path, method: str, base: Path | None = None) -> torch.Tens
     else:
         from peft import PeftModel
 
-        from finetune.train.loading import nf4_config
+        from finetune.train.skeleton import nf4_config
 
         quantization = {"quantization_config": nf4_config(torch.float32)} if method == "qlora" else {}
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **quantization), folder)

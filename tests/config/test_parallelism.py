@@ -141,10 +141,10 @@ def test_under_tp_the_loss_runs_per_vocabulary_shard_and_liger_stays_off():
     from finetune.config.names import STRATEGIES
     from finetune.config.switches import TP_HEAD, resolve_switches
 
-    assert resolved(world=2, tp=2).switches().loss == "finetune-chunked"  # on by default under TP, full fine-tuning too
-    assert resolved(world=2, tp=2, method="lora", lora_targets=COLUMNS).switches().chunked_loss
-    assert resolved(world=2).switches().loss == "transformers"  # full fine-tuning elsewhere keeps the model's own
-    assert resolved(world=2, tp=2, chunked_loss=False).switches().loss == "transformers"  # asked off: the head gathers
+    assert resolved(world=2, tp=2).switches.loss == "finetune-chunked"  # on by default under TP, full fine-tuning too
+    assert resolved(world=2, tp=2, method="lora", lora_targets=COLUMNS).switches.chunked_loss
+    assert resolved(world=2).switches.loss == "transformers"  # full fine-tuning elsewhere keeps the model's own
+    assert resolved(world=2, tp=2, chunked_loss=False).switches.loss == "transformers"  # asked off: the head gathers
     # Liger would read one vocabulary shard as the whole head
     liger = resolve_switches(liger=True, chunked_loss=None, optimizer="adamw", method="full", lora_targets="all-linear",
                              cuda=True, strategy=STRATEGIES["fsdp"], model_type="llama", assume_liger=True, tp=2)

@@ -22,7 +22,6 @@ from finetune.plan.files import train_flags
 from finetune.plan.memory import estimate
 from finetune.plan.workload import from_run
 from finetune.train.dry_run import run_of_plan
-from finetune.train.speedups import choose_speedups
 
 H100 = Device(cuda=True, name="NVIDIA H100 80GB HBM3", bf16=True, free_bytes=80 * 2**30, total_bytes=80 * 2**30)
 SINGLE, FSDP, ZERO3 = STRATEGIES["single"], STRATEGIES["fsdp"], STRATEGIES["zero3"]
@@ -88,7 +87,7 @@ def test_a_liger_that_does_not_import_costs_the_run_only_liger(liger_kernel):
     line = ("running without Liger (liger-kernel 0.8.5 does not import: ImportError: cannot import name "
             "'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama')")
     for asked in (None, True):
-        chosen = choose_speedups(TrainConfig(method="lora", liger=asked), cuda=True, model_type="llama")
+        chosen = resolve_run(TrainConfig(method="lora", liger=asked), Launch(), H100).switches
         assert (chosen.loss, chosen.notes) == ("finetune-chunked", (line,))
     run = resolve_run(TrainConfig(model="mistral-7b", method="lora"), Launch(), H100)
     assert from_run(run, gpus.get("H100")).loss == "finetune-chunked"
@@ -101,7 +100,7 @@ def test_plan_dry_run_and_fit_check_count_an_unset_liger_as_the_run_turns_it_on(
     liger_kernel(LIGER_WORKING)
     config = TrainConfig(model="mistral-7b", method="lora", max_seq_len=4096, micro_batch_size=2, gradient_checkpointing=True)
     run = resolve_run(config, Launch(), H100)
-    assert choose_speedups(config, cuda=True, model_type="mistral").liger  # what the run turns on
+    assert run.switches.liger  # what the run turns on
     assert from_run(run, gpus.get("H100")).loss == "liger"  # what the dry run and the fit check plan
     request = dict(model=catalog.get("mistral-7b"), gpu=gpus.get("H100"), gpus_per_node=1, method="lora", seq_len=4096)
     for liger, chunked, loss, pinned in ((None, None, "liger", []), (False, None, "finetune-chunked", ["--no-liger"]),

@@ -87,7 +87,7 @@ def test_family_entry_matches_the_model_transformers_builds(model_type):
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
 def test_lora_on_every_family_trains_what_the_planner_counts(model_type):
     from finetune.config.options import TrainConfig
-    from finetune.train.loading import lora_config
+    from finetune.train.skeleton import lora_config
 
     config, fam = family_config(model_type), families.FAMILIES[model_type]
     spec = spec_from_config(config, model_type)

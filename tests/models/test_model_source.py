@@ -1,5 +1,5 @@
-"""One answer to "what is --model": the kind, where the weights load from, the catalog entry and the
-GGUF file, for every form --model takes (no Hub access: nothing here downloads)."""
+"""One answer to "what is --model": the kind, where the weights load from, the Hub repo and the GGUF
+file, for every form --model takes (no Hub access: nothing here downloads)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_each_form_of_model_has_one_kind_and_one_weights_location(tmp_path):
     assert (tiny.kind, tiny.weights, tiny.hub_id) == ("random-init", str(tmp_path / "out" / "base_model"), None)
     assert tiny.written_by_finetune and not catalogued.written_by_finetune
     hub = model_source("someone/their-model")
-    assert (hub.kind, hub.weights, hub.spec, hub.hub_id) == ("hub", "someone/their-model", None, "someone/their-model")
+    assert (hub.kind, hub.weights, hub.hub_id) == ("hub", "someone/their-model", "someone/their-model")
     local = model_source(str(tmp_path))
     assert (local.kind, local.weights, local.hub_id) == ("local", str(tmp_path), None)
     assert model_source("./gone/model").kind == "local" and model_source("?").hub_id is None

@@ -39,7 +39,7 @@ def test_qlora_packs_the_experts_as_they_load_with_the_logits_of_nf4_rounded_wei
             if param.dim() >= 2 and "mlp.gate." not in name:  # every linear and expert; the router stays 16-bit
                 param.copy_(nf4_rounded(param))
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # train mode (an eval-mode forward repacks 4-bit weights: train/loading.py), no dropout
+    with torch.no_grad():  # train mode (an eval-mode forward repacks 4-bit weights: train/skeleton.py), no dropout
         got, nf4, exact = (m(input_ids=ids).logits for m in (quantized, rounded.train(), full.train()))
     assert torch.allclose(got, nf4, atol=1e-5)  # the 4-bit model computes with NF4(W), experts included:
     assert 0 < (got - exact).abs().max() < 0.25 * exact.abs().max()  # the 16-bit model within NF4's rounding

@@ -160,7 +160,7 @@ def test_mxfp4_weights_load_dequantized_and_refuse_qlora(tmp_path):
     from finetune.config.options import TrainConfig
     from finetune.config.resolve import Device, Launch, resolve_run
     from finetune.errors import FinetuneError
-    from finetune.train.loading import model_kwargs
+    from finetune.train.skeleton import model_kwargs
 
     lora = resolve_run(TrainConfig(model="gpt-oss-20b", method="lora"), Launch(), Device())
     quantization = model_kwargs(lora)["quantization_config"]
@@ -173,7 +173,7 @@ def test_mxfp4_weights_load_dequantized_and_refuse_qlora(tmp_path):
 def test_zero3_treats_each_sparse_block_as_a_leaf():
     from helpers import tiny_model
 
-    from finetune.train.loading import mark_zero3_leaves
+    from finetune.train.skeleton import mark_zero3_leaves
 
     model = tiny_model("qwen3-30b-a3b")
     mark_zero3_leaves(model)

@@ -1,7 +1,7 @@
 """One plan, one run: what `finetune plan` promises is what the trainer builds and runs.
 
 - The contract grid: catalog models × full/LoRA/QLoRA × every strategy (± offload), each built at
-  full size on fake tensors through the trainer's own construction (loading.build_skeleton,
+  full size on fake tensors through the trainer's own construction (skeleton.build_skeleton,
   optim.build_optimizer): the weights, gradients and optimizer bytes one GPU holds equal the
   planner's terms within 2 %.
 - A plan's launch command, parsed as `finetune` parses it under the plan's accelerate config,

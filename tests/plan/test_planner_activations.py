@@ -21,7 +21,7 @@ from finetune.plan import gpus
 from finetune.plan.memory import dequant_scratch_bytes, estimate
 from finetune.plan.params import NF4_DOUBLE_QUANT_BYTES, count_params
 from finetune.plan.workload import Workload
-from finetune.train import loading
+from finetune.train import skeleton
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -49,8 +49,8 @@ class Linear4bitStandIn(torch.nn.Linear):
 
 def build(w: Workload, compute_dtype):
     """The plan's model on the meta device (QLoRA: stand-in linears, fp32 everything else), prepared as
-    training prepares it (loading.prepare_for_training: LoRA adapters, checkpointing, train mode), then
-    given fake CPU storage as --dry-run's skeleton is (loading.give_fake_storage)."""
+    training prepares it (skeleton.prepare_for_training: LoRA adapters, checkpointing, train mode), then
+    given fake CPU storage as --dry-run's skeleton is (skeleton.give_fake_storage)."""
     config = transformers.AutoConfig.for_model(**w.model.to_hf_config_dict())
     config._attn_implementation = "sdpa"
     run = TrainConfig(method=w.method, lora_r=w.lora_r, lora_alpha=2 * w.lora_r, lora_targets=w.lora_targets,
@@ -67,8 +67,8 @@ def build(w: Workload, compute_dtype):
                 for name, param in model.named_parameters():
                     if not any(linear in name for linear in LINEARS):
                         param.data = param.data.float()
-        model = loading.prepare_for_training(model, run)
-    loading.give_fake_storage(model)
+        model = skeleton.prepare_for_training(model, run)
+    skeleton.give_fake_storage(model)
     return model
 
 

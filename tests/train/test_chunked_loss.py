@@ -9,14 +9,13 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import REPO, speed_up, tiny_model
 
 from finetune.config import switches
-from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES, STRATEGIES
+from finetune.config.names import CHUNKED_LOSS_ARCHITECTURES
 from finetune.config.options import TrainConfig
 from finetune.train import chunked_loss
-from finetune.train.loading import prepare_for_training
-from finetune.train.speedups import apply_speedups
+from finetune.train.skeleton import prepare_for_training
 
 VOCAB = 300
 
@@ -124,13 +123,13 @@ def test_an_uncovered_head_keeps_the_models_own_loss_and_says_so_when_asked():
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
     said = []
-    apply_speedups(gpt2, TrainConfig(chunked_loss=True), cuda=False, say=said.append)
+    speed_up(gpt2, TrainConfig(chunked_loss=True), say=said.append)
     assert said[0] == (f"--chunked-loss: model type 'gpt2' is not one of {', '.join(CHUNKED_LOSS_ARCHITECTURES)}; "
                        "using the model's own loss")
     assert said[-1].startswith("speed switches: liger off, chunked loss off")
     said.clear()
-    apply_speedups(tiny_model(vocab_size=VOCAB), TrainConfig(chunked_loss=True), cuda=False, say=said.append,
-                   strategy=STRATEGIES["zero3"])
+    zero3 = TrainConfig(chunked_loss=True, deepspeed=str(REPO / "ds_configs" / "zero3.json"))
+    speed_up(tiny_model(vocab_size=VOCAB), zero3, say=said.append)
     assert said[0] == ("--chunked-loss: ZeRO-3 gathers the LM head's weight only inside the head's own forward; "
                        "using the model's own loss")
 
@@ -145,14 +144,14 @@ def test_a_quantized_head_is_not_read_as_a_weight_matrix():
     model.set_output_embeddings(quantized.to("cpu"))  # packs the weight
     assert chunked_loss.head_problem(model) == "its LM head is quantized"
     said = []
-    apply_speedups(model, TrainConfig(chunked_loss=True), cuda=False, say=said.append)
+    speed_up(model, TrainConfig(chunked_loss=True), say=said.append)
     assert said[0] == "--chunked-loss: its LM head is quantized; using the model's own loss"
 
 
 def test_where_liger_cannot_run_the_chunked_loss_stands_in_for_its_fused_loss():
     """--liger plans no logits; on CPU Liger does not run, and the chunked loss keeps that true."""
     said = []
-    model = apply_speedups(tiny_model(vocab_size=VOCAB), TrainConfig(liger=True), cuda=False, say=said.append)
+    model = speed_up(tiny_model(vocab_size=VOCAB), TrainConfig(liger=True), say=said.append)
     assert said == ["running without Liger (Liger's Triton kernels need a CUDA GPU)",
                     "speed switches: liger off, chunked loss on, compile off, attention sdpa"]
     assert model(**batch()).logits is None

@@ -7,14 +7,14 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import speed_up, tiny_model
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError
 from finetune.train import fp8
-from finetune.train.loading import prepare_for_training
-from finetune.train.speedups import apply_speedups, compile_blocks
+from finetune.train.skeleton import prepare_for_training
+from finetune.train.speedups import compile_blocks
 
 
 def frozen_linear(in_features=64, out_features=48, seed=0, bias=False):
@@ -88,7 +88,7 @@ def test_lora_with_a_float8_base_computes_the_loss_and_gradients_of_bf16():
     plain = lora_model()
     fast = copy.deepcopy(plain)
     said = []
-    apply_speedups(fast, TrainConfig(method="lora", fp8=True), cuda=False, say=said.append)
+    speed_up(fast, TrainConfig(method="lora", fp8=True, precision="bf16-true"), say=said.append, fp8_device=True)
     assert said[-1].endswith("attention sdpa, fp8 on (14 base linears)")  # 7 linears × 2 layers
     ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
     (loss, grads), (loss8, grads8) = loss_and_grads(plain, ids), loss_and_grads(fast, ids)

@@ -2,7 +2,7 @@
 step per update (also across epoch ends), whole accumulation windows, resumable progress, and an LR
 schedule that a resume with another --max-steps continues smoothly.
 
-Every Accelerator here comes from `accelerator.build_accelerator`, as in a run."""
+Every Accelerator here comes from `accelerator.build_accelerator`, which a run starts through."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model, word_tokenizer
+from helpers import speed_up, tiny_model, word_tokenizer
 
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
@@ -22,9 +22,9 @@ from finetune.data.collate import Collator
 from finetune.data.packing import pack
 from finetune.errors import ConfigError
 from finetune.train import packed_attention
-from finetune.train.loading import prepare_for_training
 from finetune.train.loop import count_input_tokens, count_target_tokens
-from finetune.train.speedups import apply_speedups, flattens_packed_rows
+from finetune.train.skeleton import prepare_for_training
+from finetune.train.speedups import flattens_packed_rows
 
 LENGTHS = (7, 9, 5, 12, 3, 10)  # packed at 20 tokens: rows of 7 + 9, 5 + 12 + 3, 10
 
@@ -82,8 +82,8 @@ def lora_models(config: TrainConfig):
         if "lora_B" in name:
             param.data.normal_(std=0.1)
     varlen = copy.deepcopy(plain)
-    apply_speedups(plain, TrainConfig(method="lora", liger=False), cuda=False, say=lambda _: None)
-    apply_speedups(varlen, config, cuda=True, say=lambda _: None)
+    speed_up(plain, TrainConfig(method="lora", liger=False), say=lambda _: None)
+    speed_up(varlen, config, cuda=True, say=lambda _: None)
     return plain, varlen
 
 
@@ -210,7 +210,7 @@ def test_varlen_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     training where only the loaded model does (attention sinks, soft-capped scores, attention dropout)."""
     config = TrainConfig(attention="varlen", packing=True, output_dir=str(tmp_path / "out"))
     gpu = Device(cuda=True, bf16=True)
-    assert resolve_run(config, Launch(), gpu).switches().attention == "varlen"
+    assert resolve_run(config, Launch(), gpu).switches.attention == "varlen"
     refusals = {"cpu": (Device(), "--attention varlen needs a CUDA GPU"),
                 "fp32": (gpu, "--attention varlen runs FlashAttention, which takes 16-bit inputs")}
     for name, (device, start) in refusals.items():
@@ -219,6 +219,7 @@ def test_varlen_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     monkeypatch.setattr("finetune.config.switches._version", lambda distribution: "2.10.0")
     with pytest.raises(ConfigError, match=r"needs torch ≥ 2\.11 .* this is torch 2\.10\.0"):
         resolve_run(config, Launch(), gpu)
+    monkeypatch.undo()  # this torch again: the refusals below come from the loaded model
     assert not (tmp_path / "out").exists()
 
     softcapped, dropout = tiny_model(), tiny_model()
@@ -229,4 +230,4 @@ def test_varlen_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     assert "attention sinks" in packed_attention.problem(tiny_model("gpt-oss-20b"))
     assert packed_attention.problem(tiny_model()) is None
     with pytest.raises(ConfigError, match="soft-caps"):
-        apply_speedups(softcapped, TrainConfig(attention="varlen", packing=True, liger=False), cuda=True, say=print)
+        speed_up(softcapped, TrainConfig(attention="varlen", packing=True, liger=False), cuda=True)

@@ -25,7 +25,7 @@ from finetune.plan.files import launch_command
 from finetune.plan.memory import ALLOCATOR_SLACK, GIB, estimate, kept_layer_activations, unmeasured_terms
 from finetune.plan.speed import estimate_speed
 from finetune.plan.workload import Workload
-from finetune.train.loading import prepare_for_training
+from finetune.train.skeleton import prepare_for_training
 
 LAYERS = 4
 

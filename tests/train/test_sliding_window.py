@@ -8,13 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import speed_up, tiny_model
 
 from finetune.config.options import TrainConfig
 from finetune.models import catalog
-from finetune.train.loading import prepare_for_training
+from finetune.train.skeleton import prepare_for_training
 from finetune.train.sliding_window import inert_window, switch_off_inert_window
-from finetune.train.speedups import apply_speedups
 
 WINDOW = 16
 
@@ -130,12 +129,12 @@ def test_the_trainer_switches_it_off_through_lora_and_says_so_in_one_line():
     switches' summary; at 17, or for a model without a window, none."""
     config = TrainConfig(method="lora", max_seq_len=WINDOW)
     said = []
-    apply_speedups(prepare_for_training(windowed_mistral(), config), config, cuda=False, say=said.append)
+    speed_up(prepare_for_training(windowed_mistral(), config), config, say=said.append)
     assert said[0] == ("sliding window 16 off: rows of at most 16 tokens never reach past it, so attention is the "
                        "plain causal one (no mask handed to SDPA)")
     assert said[1].startswith("speed switches:") and len(said) == 2
     for model, max_seq_len in ((windowed_mistral(), WINDOW + 1), (tiny_model(), WINDOW)):
         said.clear()
         longer = TrainConfig(method="lora", max_seq_len=max_seq_len)
-        apply_speedups(prepare_for_training(model, longer), longer, cuda=False, say=said.append)
+        speed_up(prepare_for_training(model, longer), longer, say=said.append)
         assert [line for line in said if "sliding window" in line] == []

@@ -5,13 +5,15 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import speed_up, tiny_model
 
 from finetune.config.flags import parse_config
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_run
 from finetune.errors import ConfigError
-from finetune.train.speedups import apply_speedups, choose_speedups, compile_blocks
+from finetune.train.speedups import compile_blocks
+
+GPU = Device(cuda=True, bf16=True)  # runs are resolved as on one, never trained there
 
 
 def test_flags_parse_with_auto_defaults():
@@ -21,12 +23,14 @@ def test_flags_parse_with_auto_defaults():
 
 
 def test_auto_is_off_on_cpu_and_compilation_and_flex_are_off_until_asked_for():
-    cpu = choose_speedups(TrainConfig(packing=True), cuda=False, model_type="llama")
-    assert (cpu.liger, cpu.compile, cpu.attention, cpu.notes) == (False, False, "sdpa", ())
-    cuda = choose_speedups(TrainConfig(packing=True, method="lora"), cuda=True, model_type="llama")
-    assert not cuda.compile and cuda.attention == "sdpa"  # neither compilation nor flex is measured on a GPU yet
-    assert choose_speedups(TrainConfig(compile=True, method="qlora"), cuda=True, model_type="llama").compile
-    assert choose_speedups(TrainConfig(attention="flex", packing=True), cuda=True, model_type="llama").attention == "flex"
+    cpu = resolve_run(TrainConfig(packing=True), Launch(), Device()).switches
+    assert (cpu.liger, cpu.attention, cpu.notes) == (False, "sdpa", ())
+    cuda = resolve_run(TrainConfig(packing=True, method="lora"), Launch(), GPU).switches
+    assert cuda.attention == "sdpa"  # flex is not measured on a GPU yet
+    said = []
+    speed_up(tiny_model(), TrainConfig(packing=True, method="lora"), say=said.append)
+    assert said[-1] == "speed switches: liger off, chunked loss on, compile off, attention sdpa"  # nor compilation
+    assert resolve_run(TrainConfig(attention="flex", packing=True), Launch(), GPU).switches.attention == "flex"
 
 
 def test_flex_attention_on_cpu_is_refused_before_anything_loads(tmp_path):
@@ -63,11 +67,11 @@ def test_compile_time_is_reported_apart_from_training_time(tmp_path):
 
 def test_a_switch_that_cannot_apply_says_so_in_one_line_and_the_run_goes_on():
     said = []
-    model = apply_speedups(tiny_model(), TrainConfig(liger=True), cuda=False, say=said.append)
+    model = speed_up(tiny_model(), TrainConfig(liger=True), say=said.append)
     assert said[0] == "running without Liger (Liger's Triton kernels need a CUDA GPU)"
     assert said[-1] == "speed switches: liger off, chunked loss on, compile off, attention sdpa"  # standing in for Liger's loss
     assert model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.isfinite()
-    chosen = choose_speedups(TrainConfig(attention="flash"), cuda=True, model_type="llama")
+    chosen = resolve_run(TrainConfig(attention="flash"), Launch(), GPU).switches
     assert chosen.attention == "sdpa" and chosen.notes == ("--attention flash: flash-attn is not installed; using sdpa",)
 
 
@@ -99,7 +103,7 @@ def test_compiled_lora_blocks_with_partial_checkpointing_match_eager_in_two_grap
     (no_grad, with a KV cache) compile nothing more."""
     from torch._dynamo.utils import counters
 
-    from finetune.train.loading import prepare_for_training
+    from finetune.train.skeleton import prepare_for_training
 
     config = TrainConfig(method="lora", gradient_checkpointing=True, gradient_checkpointing_layers=2)
     eager = prepare_for_training(tiny_model(layers=4), config)

@@ -12,8 +12,9 @@ from helpers import REPO
 from finetune.config.options import TrainConfig
 from finetune.config.resolve import Device, Launch, resolve_precision, resolve_run
 from finetune.errors import ConfigError, FinetuneError
-from finetune.train.accelerator import build_accelerator, describe_setup, fsdp_plugin_from_launch
+from finetune.train.accelerator import fsdp_plugin_from_launch
 from finetune.train.run import resolve
+from finetune.train.startup import describe_setup, start_accelerator
 
 A100 = Device(cuda=True, name="NVIDIA A100-SXM4-40GB", bf16=True)
 T4 = Device(cuda=True, name="Tesla T4", bf16=False)
@@ -64,7 +65,7 @@ def test_pure_bf16_full_fine_tuning_under_fsdp2_turns_accelerates_upcast_off():
 def test_single_process_accelerator_without_launcher(tmp_path, capsys):
     config = TrainConfig(micro_batch_size=2, global_batch_size=8, output_dir=str(tmp_path / "out"))
     run, _ = resolve(config)
-    accelerator = build_accelerator(run)
+    accelerator = start_accelerator(run)
     assert (run.batch.micro_batch_size, run.batch.gradient_accumulation_steps, run.batch.world_size) == (2, 4, 1)
     assert accelerator.gradient_accumulation_steps == 4 and accelerator.num_processes == 1
     assert accelerator.gradient_state.plugin_kwargs["sync_with_dataloader"] is False  # the loop owns its windows

@@ -41,7 +41,7 @@ def eval_loss_of_saved(output_dir, method: str) -> float:
 
         kwargs = {}
         if method == "qlora":
-            from finetune.train.loading import nf4_config
+            from finetune.train.skeleton import nf4_config
 
             kwargs["quantization_config"] = nf4_config(torch.float32)
         model = AutoPeftModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32, **kwargs)
