@@ -85,6 +85,9 @@ def resolve_switches(*, liger: bool | None, chunked_loss: bool | None, optimizer
 # packed rows flattened into one row with the examples' offsets (data/collate.py), since transformers'
 # flash path finds the examples of packed rows from their position ids only when the batch is one row.
 FLATTENING_ATTENTIONS = ("varlen", "flash")
+# transformers' names of the attention kernels (`set_attn_implementation`); varlen's is the one
+# train/packed_attention.py registers
+ATTENTION_KERNELS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2", "varlen": "finetune_varlen"}
 # torch.nn.attention.varlen.varlen_attn with `scale` and causal `window_size` (torch 2.10's took is_causal)
 VARLEN_TORCH = (2, 11)
 

@@ -28,10 +28,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from finetune.config.switches import ATTENTION_KERNELS
 from finetune.models.families import attention_implementation
 
-# transformers' name of the attention function (`set_attn_implementation`)
-NAME = "finetune_varlen"
+NAME = ATTENTION_KERNELS["varlen"]
 # (query (tokens, heads, head_dim), key, value (tokens, kv_heads, head_dim), cu_seq_lens (int32: each
 # example's first token, then the total), longest example, scale, (left, right) window) → like query
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float | None, tuple[int, int]], torch.Tensor]

@@ -29,7 +29,7 @@ from finetune.config.run_folder import ResolvedRecord, RunFolder
 from finetune.data import Collator, PreparedData, fit_run_to_data, prepare_data
 from finetune.data.collate import PreferenceCollator
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
-from finetune.train import fit_check, inventory, loading, log_probs, loop, ranks, skeleton
+from finetune.train import inventory, loading, log_probs, loop, ranks, skeleton
 from finetune.train.metrics import plot_loss_curve
 from finetune.train.objectives import build_objective
 from finetune.train.optim import build_optimizer, build_scheduler, continue_schedule
@@ -95,7 +95,9 @@ def setup(run: ResolvedRun, device: Device) -> Session:
     Use the Session it returns as a context manager: it closes what setup opened (the process group,
     the trackers, the preemption signal handlers) however the block ends. When setup itself fails,
     what it had opened is closed before the error goes on."""
-    if device.cuda and run.config.fit_check:
+    if device.cuda and run.config.fit_check:  # the planner's memory model, loaded by the runs that check
+        from finetune.train import fit_check
+
         fit_check.check_fit(run, device)  # before any weights load, and before the process group forms
     # before the Accelerator exists: under ZeRO-3 its zero.Init would make building the model a
     # collective, which a rank waiting at a barrier never joins. Random init: every rank writes the

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from finetune.config.resolve import ResolvedRun
-from finetune.config.switches import FLATTENING_ATTENTIONS, liger_function
+from finetune.config.switches import ATTENTION_KERNELS, FLATTENING_ATTENTIONS, liger_function
 from finetune.errors import ConfigError
-from finetune.train import chunked_loss, fp8, packed_attention, sliding_window
+from finetune.train import chunked_loss, sliding_window
 
 
 def with_model(run: ResolvedRun, model: torch.nn.Module) -> ResolvedRun:
@@ -42,15 +42,11 @@ def with_model(run: ResolvedRun, model: torch.nn.Module) -> ResolvedRun:
     return run.with_loaded_model(base.config.model_type, chunked_loss.head_problem(base))
 
 
-# transformers' names of the attention kernels
-ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2", "varlen": packed_attention.NAME}
-
-
 def flattens_packed_rows(model: torch.nn.Module) -> bool:
     """Whether `model`'s attention reads each packed example's offsets (config.switches.FLATTENING_ATTENTIONS),
     so the collator hands it every micro-batch of packed rows as one row (data/collate.flattened)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.config._attn_implementation in [ATTENTION_IMPLEMENTATIONS[name] for name in FLATTENING_ATTENTIONS]
+    return base.config._attn_implementation in [ATTENTION_KERNELS[name] for name in FLATTENING_ATTENTIONS]
 
 
 def apply_speedups(model: torch.nn.Module, run: ResolvedRun, say: Callable[[str], None]) -> torch.nn.Module:
@@ -65,17 +61,21 @@ def apply_speedups(model: torch.nn.Module, run: ResolvedRun, say: Callable[[str]
         liger_function(base.config.model_type)(model=base)
     if chosen.chunked_loss:
         chunked_loss.install(base)
-    if chosen.attention == "varlen":
+    if chosen.attention == "varlen":  # torch's varlen kernel, and fp8 below: imported by the runs that ask
+        from finetune.train import packed_attention
+
         if why := packed_attention.problem(base):
             raise ConfigError(why)
         packed_attention.register()
     if chosen.attention != "sdpa":
-        base.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[chosen.attention])
+        base.set_attn_implementation(ATTENTION_KERNELS[chosen.attention])
     window = sliding_window.switch_off_inert_window(base, config.max_seq_len)
     if window:
         say(window)
     fp8_text = ""
     if config.fp8:  # before compiling, so the compiled blocks hold the float8 matmuls
+        from finetune.train import fp8
+
         replaced, kept = fp8.install(model)
         fp8_text = f", fp8 on ({replaced} base linears" + (f"; {kept} kept bf16, sizes not multiples of 16)" if kept else ")")
     if config.compile:

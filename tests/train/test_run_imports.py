@@ -29,3 +29,15 @@ def test_importing_a_run_leaves_the_dry_runs_planner_modules_unloaded():
     assert loaded_after("import finetune.train.run") & set(DRY_RUN_MODULES) == set()
     # the list names what the dry run really loads, so the first check cannot pass on stale names
     assert set(DRY_RUN_MODULES) <= loaded_after("import finetune.train.run, finetune.train.dry_run")
+
+
+# what only some runs use: the fit check (a GPU run's, with the planner's memory model), --fp8's
+# float8 linears, --attention varlen's kernel
+ON_REQUEST_MODULES = ("finetune.train.fit_check", "finetune.plan.memory", "finetune.plan.workload",
+                      "finetune.train.fp8", "finetune.train.packed_attention")
+
+
+def test_a_cpu_run_loads_neither_the_fit_check_nor_the_switches_it_was_not_given():
+    assert loaded_after("import finetune.train.run") & set(ON_REQUEST_MODULES) == set()
+    assert set(ON_REQUEST_MODULES) <= loaded_after(
+        "import finetune.train.run, finetune.train.fit_check, finetune.train.fp8, finetune.train.packed_attention")
