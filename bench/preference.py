@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from finetune.config.run_folder import RunFolder
+
 REPO = Path(__file__).resolve().parents[1]
 # (objective, flags after README's command, seeds)
 ROWS = (
@@ -46,7 +48,7 @@ def train(objective: str, flags: list[str], seed: int, folder: Path) -> dict:
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
-    summary = json.loads((output / "summary.json").read_text())
+    summary = RunFolder(output).read_summary()
     return summary | {"seconds": time.perf_counter() - started, "cpu_seconds": cpu, "load": os.getloadavg()[0]}
 
 

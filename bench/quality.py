@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from finetune.config.run_folder import RunFolder
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["--model", "smollm2-135m", "--method", "lora", "--lr", "1e-3", "--dataset", str(REPO / "examples" / "smarthome"),
         "--eval-split", "test", "--eval-generate", "50", "--micro-batch-size", "8", "--max-seq-len", "128",
@@ -63,7 +65,7 @@ def train(run: str, flags: list[str], seed: int, folder: Path) -> dict:
                "--seed", str(seed), "--num-samples", "0", "--no-save-final", "--output-dir", str(output)]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads((output / "summary.json").read_text())
+    summary = RunFolder(output).read_summary()
     return summary | {"seconds": time.perf_counter() - started}
 
 
