@@ -48,7 +48,7 @@ def train(objective: str, flags: list[str], seed: int, folder: Path) -> dict:
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
-    summary = RunFolder(output).read_summary()
+    summary = json.loads(RunFolder(output).summary.read_text())  # raises when the run wrote none
     return summary | {"seconds": time.perf_counter() - started, "cpu_seconds": cpu, "load": os.getloadavg()[0]}
 
 

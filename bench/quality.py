@@ -65,7 +65,7 @@ def train(run: str, flags: list[str], seed: int, folder: Path) -> dict:
                "--seed", str(seed), "--num-samples", "0", "--no-save-final", "--output-dir", str(output)]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    summary = RunFolder(output).read_summary()
+    summary = json.loads(RunFolder(output).summary.read_text())  # raises when the run wrote none
     return summary | {"seconds": time.perf_counter() - started}
 
 

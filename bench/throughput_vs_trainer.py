@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from finetune.config.options import TrainConfig
-from finetune.config.run_folder import RunFolder
+from finetune.config.run_folder import RunFolder, read_metrics
 from finetune.data import prepare_data
 from finetune.data.sampler import UpdateSortedSampler, row_lengths
 from finetune.models.source import model_source
@@ -70,7 +70,7 @@ def finetune_tokens_per_second(steps: int, warmup: int) -> tuple[tuple[float, fl
                    "--max-seq-len", str(MAX_SEQ_LEN), "--precision", "fp32", "--lr", str(LR), "--max-steps",
                    str(warmup + steps), "--log-every", "1", "--no-save-final", "--output-dir", out]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        records = RunFolder(out).read_metrics()
+        records = read_metrics(RunFolder(out).metrics)  # raises when the run wrote none
     steps_ = [r for r in records if "loss" in r]
     tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps_, steps_)]  # cumulative → per update
     timed = list(zip(tokens, steps_))[warmup:]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from forked import RowRunner  # noqa: E402
 
-from finetune.config.run_folder import RunFolder  # noqa: E402
+from finetune.config.run_folder import RunFolder, read_metrics  # noqa: E402
 from finetune.models.catalog import get as catalog_model  # noqa: E402
 from finetune.plan import gpus as gpu_catalog  # noqa: E402
 from finetune.plan.memory import CUDA_CONTEXT_GIB  # noqa: E402
@@ -185,7 +185,7 @@ def measure(row: Row, model_dir: Path, data: Path, output_dir: Path, timeout_s: 
 def metrics_summary(output_dir: Path) -> dict:
     """A finished finetune run's peaks, tokens/s (median over the updates after the first: the first
     grows the allocator and picks kernels), compile seconds and losses, from its metrics.jsonl."""
-    records = RunFolder(output_dir).read_metrics()
+    records = read_metrics(RunFolder(output_dir).metrics)  # raises when the run wrote none
     steps = [r for r in records if "loss" in r]
     return {"allocated_gib": steps[-1]["peak_gpu_allocated_gib"], "reserved_gib": steps[-1]["peak_gpu_reserved_gib"],
             "tokens_per_second": statistics.median(r["tokens_per_second"] for r in steps[1:]),
